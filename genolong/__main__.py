@@ -1,0 +1,3 @@
+from genolong.cli import main
+
+main()

@@ -1,0 +1,54 @@
+"""The `genolong` command: one typer app, one subcommand per job.
+
+Each subpackage owns its commands in its own `cli.py` (genolong.data.cli, genolong.model.cli,
+genolong.train.cli, genolong.eval.cli); this file only mounts them and turns a GenolongError
+into one line on stderr with exit code 2 (no traceback for problems the user can fix).
+"""
+
+import importlib
+import sys
+
+import typer
+
+from genolong.errors import GenolongError
+
+app = typer.Typer(
+    name="genolong",
+    help="Long-context language modelling of genomes: prepare a FASTA, fine-tune at 512k-1M tokens, "
+    "evaluate held-out loss by position.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# (command name, module, function). Order is the order of `genolong --help`.
+COMMANDS = [
+    ("prepare", "genolong.data.cli", "prepare"),
+    ("model-info", "genolong.model.cli", "model_info"),
+    ("finetune", "genolong.train.cli", "finetune"),
+    ("plan", "genolong.train.cli", "plan"),
+    ("eval-positional", "genolong.eval.cli", "eval_positional"),
+]
+
+
+def _mount() -> None:
+    for name, module, function in COMMANDS:
+        app.command(name)(getattr(importlib.import_module(module), function))
+
+
+_mount()
+
+
+def main() -> None:
+    try:
+        app()
+    except GenolongError as err:
+        print(f"genolong: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("genolong: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
