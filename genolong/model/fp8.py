@@ -90,7 +90,9 @@ def dequantize(
         raise GenolongError(f"{name} has dtype {weight.dtype}, not float8_e4m3fn; it has a scale but is not FP8")
     w = weight.to(torch.float32)
     s = scale_inv.to(torch.float32)
-    if block is None or s.numel() == 1:
+    # Per-tensor scaling is a scalar (or one scale per leading index with block=None); a 1x1
+    # grid is a block grid and must fit the weight like any other.
+    if block is None or s.dim() == 0:
         if s.numel() != 1 and s.shape != w.shape[: s.dim()]:
             raise GenolongError(f"{name}{SCALE_SUFFIX} has shape {tuple(s.shape)}; a per-tensor scale has one element")
         return (w * s.reshape(*s.shape, *([1] * (w.dim() - s.dim())))).to(dtype)

@@ -1,0 +1,97 @@
+"""DeepSeek Sparse Attention over NoPE MLA: the softmax-attention mixer of every fourth layer.
+
+MLA keeps one normalised latent c_j [kv_lora_rank] per token; kv_b_proj expands it into each
+head's key and value. Without rotary dimensions the key expansion can be folded into the query
+("absorbed" form): q_h . (W_uk_h c_j) = (W_uk_h^T q_h) . c_j, so attention runs directly on the
+latent, which serves as both key and value, and W_uv_h is applied to the attended latent
+afterwards. That is the hot op "dsa_sparse_attention" (docs/ops.md), restricted per query to the
+indexer's selection; `sparse_attention_reference` below is its oracle, chunked over queries.
+
+Head counts come from the weights (kv_b_proj's rows), so a caller may run a subset of heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from genolong.model import ops
+from genolong.model.config import DSAConfig
+from genolong.model.indexer import Indexer
+from genolong.model.norms import RMSNorm
+
+# Upper bound on gathered-latent elements per query chunk in the reference.
+_GATHER_ELEMENTS = 1 << 24
+
+
+def sparse_attention_reference(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float
+) -> torch.Tensor:
+    """The "dsa_sparse_attention" op: q [B,T,H,Dl], kv [B,S,Dl], indices int32 [B,T,W] -> [B,T,H,Dl].
+
+    A query whose slots are all -1 attends to nothing and gets zeros.
+    """
+    batch, seq, _, latent = q.shape
+    width = indices.shape[-1]
+    step = max(1, _GATHER_ELEMENTS // max(1, batch * width * latent))
+    outputs = []
+    for t0 in range(0, seq, step):
+        idx = indices[:, t0 : t0 + step].long()
+        rows = idx.shape[1]
+        valid = idx >= 0
+        gathered = kv.gather(1, idx.clamp(min=0).reshape(batch, rows * width, 1).expand(-1, -1, latent))
+        gathered = gathered.view(batch, rows, width, latent)
+        scores = torch.matmul(q[:, t0 : t0 + step], gathered.transpose(-1, -2))  # [B, t, H, W]
+        # Softmax in fp32 at least, like the reference's eager attention.
+        scores = scores.to(torch.promote_types(q.dtype, torch.float32)) * scale
+        scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
+        outputs.append(torch.matmul(probs, gathered))
+    return torch.cat(outputs, dim=1)
+
+
+ops.register("dsa_sparse_attention", ops.REFERENCE, sparse_attention_reference)
+
+
+class DSAAttention(nn.Module):
+    def __init__(self, hidden: int, cfg: DSAConfig, rms_eps: float, layer_idx: int, *, has_indexer: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.qk_head_dim = cfg.qk_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        bias = cfg.attention_bias
+        self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=rms_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.num_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=rms_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.v_head_dim, hidden, bias=bias)
+        # A "shared" layer has no indexer (and no indexer weights in the checkpoint).
+        self.indexer = Indexer(hidden, cfg.q_lora_rank, cfg.indexer, layer_idx) if has_indexer else None
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head into W_uk [H, Dqk, Dl] and W_uv [H, Dv, Dl]."""
+        w = self.kv_b_proj.weight.view(-1, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_head_dim], w[:, self.qk_head_dim :]
+
+    def forward(self, x: torch.Tensor, topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B,T,hidden] -> (output [B,T,hidden], the top-k indices used). `topk` is required
+        exactly when this layer has no indexer of its own."""
+        batch, seq = x.shape[:2]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(batch, seq, -1, self.qk_head_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        if self.indexer is not None:
+            topk = self.indexer(x, q_resid)
+        elif topk is None:
+            raise ValueError(
+                f"layer {self.layer_idx}: a shared-indexer DSA layer needs the previous full layer's top-k"
+            )
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.einsum("bthd,hdl->bthl", q, w_uk)
+        o_latent = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale)
+        o = torch.einsum("bthl,hvl->bthv", o_latent, w_uv).reshape(batch, seq, -1)
+        return self.o_proj(o), topk

@@ -1,0 +1,114 @@
+"""The DSA "lightning" indexer: which keys each query of a DSA layer attends to.
+
+Keys are compressed in pools of `kpool` consecutive tokens (a learned, per-channel softmax
+average: gate scores from the hidden state plus a position-in-pool bias). Each query scores
+every complete pool that has ended by its position, keeps the best `topk // kpool`, and (by
+default) also takes its own incomplete tail pool, so it always sees its most recent tokens.
+
+The indexer is frozen (run under no_grad, like the reference): it receives no gradient from
+the language-modelling loss. See docs/model.md for that decision. Scoring is the hot op
+"dsa_indexer_topk"; `indexer_topk_reference` below is its oracle, chunked over queries so the
+[queries x pools] score matrix never exists whole (seed optimization 2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from genolong.model import ops
+from genolong.model.config import IndexerConfig
+
+# Upper bound on score-matrix elements per query chunk in the reference (fp32: 256 MiB).
+_SCORE_ELEMENTS = 1 << 26
+
+
+def indexer_topk_reference(
+    index_q: torch.Tensor,
+    pool_keys: torch.Tensor,
+    head_weights: torch.Tensor,
+    *,
+    kpool: int,
+    topk_pools: int,
+    always_select_tail: bool,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """The "dsa_indexer_topk" op (docs/ops.md) -> int32 [B, T, W], -1 for unused slots."""
+    batch, seq, heads, _ = index_q.shape
+    n_pools = pool_keys.shape[1]
+    device = index_q.device
+    select = min(topk_pools, n_pools)
+    width = topk_pools * kpool + (kpool - 1 if always_select_tail else 0)
+    out = torch.full((batch, seq, width), -1, dtype=torch.int32, device=device)
+
+    keys_t = pool_keys.float().transpose(-1, -2).unsqueeze(1)  # [B, 1, D, P]
+    in_pool = torch.arange(kpool, device=device)
+    step = max(1, _SCORE_ELEMENTS // max(1, batch * heads * n_pools))
+    for t0 in range(0, seq, step):
+        t1 = min(seq, t0 + step)
+        t = torch.arange(t0, t1, device=device)
+        # Pools whose last token is at or before the query: p < (t + 1) // kpool.
+        n_visible = (t + 1) // kpool
+        if select > 0:
+            scores = F.relu(torch.matmul(index_q[:, t0:t1].float(), keys_t) * softmax_scale)  # [B, t, H, P]
+            scores = torch.matmul(head_weights[:, t0:t1].float().unsqueeze(-2), scores).squeeze(-2)  # [B, t, P]
+            visible = torch.arange(n_pools, device=device) < n_visible[:, None]
+            scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+            pools = scores.topk(select, dim=-1).indices  # [B, t, select]
+            tokens = pools.unsqueeze(-1) * kpool + in_pool
+            tokens = tokens.masked_fill((pools >= n_visible[:, None]).unsqueeze(-1), -1)
+            out[:, t0:t1, : select * kpool] = tokens.flatten(-2).to(torch.int32)
+        if always_select_tail and kpool > 1:
+            n_tail = (t + 1) % kpool
+            tail = (t + 1 - n_tail)[:, None] + in_pool[:-1]
+            tail = tail.masked_fill(in_pool[:-1] >= n_tail[:, None], -1)
+            out[:, t0:t1, topk_pools * kpool :] = tail.to(torch.int32)
+    return out
+
+
+ops.register("dsa_indexer_topk", ops.REFERENCE, indexer_topk_reference)
+
+
+class Indexer(nn.Module):
+    def __init__(self, hidden: int, q_lora_rank: int, cfg: IndexerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cfg = cfg
+        self.wq_b = nn.Linear(q_lora_rank, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(hidden, cfg.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden, cfg.n_heads, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(cfg.kpool, cfg.head_dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.ones(cfg.head_dim, hidden))
+
+    def pool_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, hidden] -> [B, T // kpool, head_dim]: the compressed keys of the complete pools."""
+        kpool, head_dim = self.cfg.kpool, self.cfg.head_dim
+        batch, seq = x.shape[:2]
+        n_pools = seq // kpool
+        usable = x[:, : n_pools * kpool]
+        keys = self.k_norm(self.wk(usable)).view(batch, n_pools, kpool, head_dim)
+        logits = F.linear(usable, self.index_kpool_compress_gate).view(batch, n_pools, kpool, head_dim)
+        # Softmax over the tokens of a pool, separately per channel, in fp32.
+        weights = (logits.float() + self.index_kpool_compress_ape.float()).softmax(dim=2).to(keys.dtype)
+        return (weights * keys).sum(dim=2)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
+        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank]."""
+        batch, seq = x.shape[:2]
+        index_q = self.wq_b(q_resid).view(batch, seq, -1, self.cfg.head_dim)
+        # Scaled by the configured head count, so a head-sliced indexer scores like the whole one.
+        head_weights = self.weights_proj(x).float() * self.cfg.n_heads**-0.5
+        return ops.call(
+            "dsa_indexer_topk",
+            self.layer_idx,
+            index_q,
+            self.pool_keys(x),
+            head_weights,
+            kpool=self.cfg.kpool,
+            topk_pools=self.cfg.topk_pools,
+            always_select_tail=self.cfg.always_select_tail,
+            softmax_scale=self.cfg.head_dim**-0.5,
+        )

@@ -1,0 +1,80 @@
+"""Manifold-constrained hyper-connections (mHC): n residual streams per token instead of one.
+
+Around each sublayer (mixer, then MLP), 2n + n^2 mixing logits per token come from the
+flattened, RMS-normalised streams through one projection `fn`:
+- pre (n):  sigmoid weights that collapse the streams into the sublayer's input;
+- post (n): 2 * sigmoid weights that spread the sublayer's output back over the streams;
+- comb (n x n): softmax rows made doubly stochastic by Sinkhorn iterations, mixing the old
+  streams into the new ones: new[o] = post[o] * f(x) + sum_i comb[i, o] * old[i].
+The model's final output is the plain mean of the streams (`hc_head`).
+
+No fp32 copy of the [B, T, n * hidden] input is made (seed optimization 7): the RMS statistic
+is reduced in fp32 and applied to the n^2 + 2n projected logits instead (the norm is a per-row
+scalar, so linear(x * r) = r * linear(x)); the projection and the collapse run in the streams'
+dtype. In fp32 this is the reference's arithmetic up to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from genolong.model.config import MHCConfig
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hidden: int, cfg: MHCConfig, rms_eps: float) -> None:
+        super().__init__()
+        n = cfg.num_streams
+        self.n = n
+        self.sinkhorn_iters = cfg.sinkhorn_iters
+        self.eps = cfg.eps
+        self.rms_eps = rms_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B,T,n,D] -> (post fp32 [B,T,n], comb fp32 [B,T,n,n], collapsed [B,T,D])."""
+        n = self.n
+        flat = streams.flatten(-2)
+        mean_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
+        logits = F.linear(flat, self.fn.to(flat.dtype)).float() * torch.rsqrt(mean_sq + self.rms_eps)
+        pre_l, post_l, comb_l = logits.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.float().unbind(0)
+
+        pre = torch.sigmoid(pre_l * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_l * post_s + post_b)
+        comb = torch.softmax((comb_l * comb_s + comb_b).unflatten(-1, (n, n)), dim=-1) + self.eps
+        comb = sinkhorn(comb, self.sinkhorn_iters, self.eps)
+
+        collapsed = torch.matmul(pre.to(streams.dtype).unsqueeze(-2), streams).squeeze(-2)
+        return post, comb, collapsed
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Alternate column and row normalisation of positive [.., n, n] matrices, ending on columns.
+
+    The reference's order (one column pass, then iters-1 row+column passes) is kept so that the
+    result matches it exactly, not just in the limit.
+    """
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """New streams: post[o] * out + sum_i comb[i, o] * residual[i], in the streams' dtype."""
+    dtype = residual.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+
+
+class HyperHead(nn.Module):
+    """GLM-5.3-Flash's final collapse: the unweighted mean of the streams (no parameters)."""
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        return streams.mean(dim=-2)

@@ -1,0 +1,117 @@
+"""GenoLongModel (embedding, decoder layers, final norm) and GenoLongForCausalLM (+ lm_head).
+
+State-dict keys are transformers' `Glm5NextTextModel` keys (`embed_tokens.weight`,
+`layers.3.self_attn.indexer.wq_b.weight`, `layers.5.mlp.experts.gate_up_proj`, `norm.weight`,
+...) under `model.`, plus `lm_head.weight`, so a transformers checkpoint loads by stripping its
+prefix.
+
+`layer_runner`: recompute and CPU offload are applied from outside, without wrapping modules
+(which would change the keys). When `model.layer_runner` is set, the layer loop calls
+`layer_runner(layer_idx, layer, streams, *extra)` instead of `layer(streams, *extra)`; it must
+return what the layer returns. `extra` is empty except for DSA layers that reuse a previous
+layer's top-k (then `extra == (topk,)`), none of which exist in the presets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from genolong.model.config import ModelConfig
+from genolong.model.layer import DecoderLayer
+from genolong.model.mhc import HyperHead
+from genolong.model.norms import RMSNorm
+
+# Parameters the reference keeps in fp32 whatever the model dtype (router, KDA gate and conv,
+# mHC biases and scales): they are small, and the math that reads them runs in fp32.
+FP32_PARAM_SUFFIXES = (
+    ".gate.weight",
+    ".gate.e_score_correction_bias",
+    ".conv1d.weight",
+    ".dt_bias",
+    ".A_log",
+    "_hc.base",
+    "_hc.scale",
+)
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_PARAM_SUFFIXES)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+
+
+LayerRunner = Callable[..., object]
+
+
+class GenoLongModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden, config.rms_eps)
+        self.hc_head = HyperHead()
+        self.layer_runner: LayerRunner | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden states [B, T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.mhc.num_streams, x.shape[-1]).contiguous()
+        shared_topk = None
+        for i, layer in enumerate(self.layers):
+            extra = (shared_topk,) if layer.reuses_topk else ()
+            out = layer(streams, *extra) if self.layer_runner is None else self.layer_runner(i, layer, streams, *extra)
+            if layer.emits_topk:
+                streams, shared_topk = out
+            else:
+                streams = out
+        return self.norm(self.hc_head(streams))
+
+
+class GenoLongForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None, init: bool = True) -> None:
+        """Build (and, unless init=False, initialise for training from scratch) a model.
+
+        Under `with torch.device("meta"):` nothing is allocated (for counting or for loading
+        with `load_state_dict(..., assign=True)`).
+        """
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.model = GenoLongModel(config)
+        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        if init:
+            from genolong.model.init import init_weights
+
+            init_weights(self)
+        if dtype is not None:
+            self.to_dtype(dtype)
+
+    @property
+    def layer_runner(self) -> LayerRunner | None:
+        return self.model.layer_runner
+
+    @layer_runner.setter
+    def layer_runner(self, runner: LayerRunner | None) -> None:
+        self.model.layer_runner = runner
+
+    def to_dtype(self, dtype: torch.dtype) -> GenoLongForCausalLM:
+        """Cast floating parameters and buffers to `dtype`, keeping FP32_PARAM_SUFFIXES in fp32."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(torch.float32 if keeps_fp32(name) else dtype)
+        return self
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [B, T, hidden], before lm_head (for chunked losses)."""
+        return self.model(input_ids)
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
