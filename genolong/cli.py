@@ -21,6 +21,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Keeps typer in multi-command mode even when only one command is mounted."""
+
+
 # (command name, module, function). Order is the order of `genolong --help`.
 COMMANDS = [
     ("prepare", "genolong.data.cli", "prepare"),

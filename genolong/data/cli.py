@@ -1,0 +1,69 @@
+"""`genolong prepare`: the command-line face of genolong.data.prepare."""
+
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from genolong.data.prepare import DEFAULT_HOLDOUT, DEFAULT_TRAIN
+
+BUNDLED = "bundled"
+
+
+def _terminate_as_interrupt(signum, frame):
+    # A batch scheduler stops jobs with SIGTERM: unwind like Ctrl-C so the temporary output is removed.
+    raise KeyboardInterrupt
+
+
+def prepare(
+    fasta: Annotated[
+        str,
+        typer.Option(
+            help="Genome FASTA (plain, gzip or bgzip; a .fai/.gzi index beside it is used), "
+            f"or '{BUNDLED}' for the small genome shipped with genolong (E. coli 536 + phage lambda).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option(help="Output directory (a datasets DatasetDict plus manifest.json).", show_default=False)
+    ],
+    train: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Comma-separated records for training. Default: {DEFAULT_TRAIN} (bundled genome: E. coli 536)."
+        ),
+    ] = None,
+    holdout: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Comma-separated held-out records. Default: {DEFAULT_HOLDOUT} (bundled genome: phage lambda)."
+        ),
+    ] = None,
+    validation: Annotated[str | None, typer.Option(help="Comma-separated validation records (optional).")] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing prepare output at --out.")
+    ] = False,
+) -> None:
+    """Tokenize a genome FASTA into train/holdout(/validation) splits of whole records, memory-mapped.
+
+    One token per base (A C G T N); lowercase bases are kept as a repeat mask; IUPAC codes become N.
+    `chr22` and `22` name the same record. Example: genolong prepare --fasta hg38.fa.gz --out data/hg38
+    """
+    from genolong import data
+
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    if fasta == BUNDLED:
+        fasta_path = data.bundled_genome_path()
+        train = train or data.BUNDLED_TRAIN
+        holdout = holdout or data.BUNDLED_HOLDOUT
+    else:
+        fasta_path = Path(fasta)
+    data.prepare(
+        fasta_path,
+        out,
+        train=train or DEFAULT_TRAIN,
+        holdout=holdout or DEFAULT_HOLDOUT,
+        validation=validation,
+        overwrite=overwrite,
+    )

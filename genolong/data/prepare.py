@@ -1,0 +1,319 @@
+"""`prepare`: FASTA -> tokenized, split, memory-mapped records plus manifest.json, written atomically.
+
+Everything is written into `DIR.tmp-XXXX` beside the output and renamed to `DIR` only when
+complete (manifest.json last), so an interrupted or failed run never leaves a `DIR` that looks
+finished. Memory holds at most two requested records: one being encoded, one being written.
+"""
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from genolong.data import manifest as manifest_io
+from genolong.data import store
+from genolong.data.encode import InvalidBases, RecordStats, count_bases, encode, split_codes
+from genolong.data.fasta import FastaIndex, FastaSource, open_stream, parse_header, sniff
+from genolong.data.fasta import records as fasta_records
+from genolong.data.splits import candidates, check_requested, parse_names, resolve
+from genolong.errors import GenolongError
+
+DEFAULT_TRAIN = "chr1,chr2"
+DEFAULT_HOLDOUT = "chr22"
+
+
+def _stderr(message: str) -> None:
+    print(f"genolong: {message}", file=sys.stderr)
+
+
+class _Hasher(threading.Thread):
+    """sha256 of the source file on a second core (hashlib and file reads release the GIL)."""
+
+    def __init__(self, path: Path):
+        super().__init__(daemon=True)
+        self._path = path
+        self._hash = hashlib.sha256()
+        self._stop_flag = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with open(self._path, "rb") as f:
+                while not self._stop_flag.is_set():
+                    block = f.read(8 << 20)
+                    if not block:
+                        break
+                    self._hash.update(block)
+        except OSError as err:
+            self._error = err
+
+    def hexdigest(self) -> str:
+        self.join()
+        if self._error is not None:
+            raise GenolongError(f"could not read {str(self._path)!r} to checksum it ({self._error}): check the file")
+        return self._hash.hexdigest()
+
+    def stop(self) -> None:
+        self._stop_flag.set()
+
+
+class _Recorder:
+    """Encodes one requested record's chunks into contiguous buffers and writes its shard.
+
+    A shard is written on a second thread (Arrow's writer releases the GIL) while the next
+    record is parsed; at most one record waits, so memory holds two records at most.
+    """
+
+    def __init__(self, scratch: Path):
+        self._scratch = scratch
+        self._writer = ThreadPoolExecutor(max_workers=1)
+        self._pending: Future | None = None
+        self.shards: dict[str, tuple[Path, RecordStats]] = {}
+
+    def record(
+        self, name: str, description: str, chunks: Iterable[bytes], on_bases: Callable[[int], None]
+    ) -> RecordStats:
+        stats = RecordStats()
+        codes = []
+        for chunk in chunks:
+            codes.append(encode(chunk, stats, name))
+            on_bases(len(codes[-1]))
+        tokens, mask = split_codes(codes, stats)
+        path = self._scratch / f"record-{len(self.shards):05d}.arrow"
+        self.flush()
+        self._pending = self._writer.submit(
+            store.write_record,
+            path,
+            name,
+            description,
+            tokens,
+            mask,
+            stats.n_count,
+            stats.repeat_count,
+            stats.iupac_to_n,
+        )
+        self.shards[name] = (path, stats)
+        return stats
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True, cancel_futures=True)
+
+
+def _progress(enabled: bool) -> Progress:
+    console = Console(stderr=True)
+    # Off when stderr is not a terminal: logs and CI keep one line per message, no bar remnants.
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not (enabled and console.is_terminal),
+    )
+
+
+def _read_indexed(index: FastaIndex, requested, recorder: _Recorder, progress: Progress, log):
+    """Names and lengths from the index up front (missing records fail before any reading)."""
+    available = [r.name for r in index.records]
+    _refuse_duplicates(available, index.source)
+    splits, renamed = resolve(requested, available, repr(str(index.source.path)))
+    chosen = {name for names in splits.values() for name in names}
+    wanted = [r for r in index.records if r.name in chosen]
+    _refuse_empty([(r.name, r.length) for r in wanted])
+    log(f"reading {len(wanted)} record(s) through the index {index.source.path.name}.fai")
+    task = progress.add_task("bases", total=sum(r.length for r in wanted))
+    described = {}
+    for rec in wanted:
+        progress.update(task, description=rec.name)
+        try:
+            described[rec.name] = description = index.description(rec)
+            stats = recorder.record(rec.name, description, index.chunks(rec), lambda n: progress.advance(task, n))
+        except InvalidBases as err:
+            # A stale index points into the wrong bytes (headers, other records): say so too.
+            raise GenolongError(f"{err}; if {index.source.path.name}.fai is stale, delete it and re-run") from None
+        if stats.length != rec.length:
+            raise GenolongError(
+                f"record {rec.name!r} has {stats.length:,} bases but {index.source.path.name}.fai says {rec.length:,}: "
+                f"the index is stale; delete {index.source.path.name}.fai (and .gzi) and re-run"
+            )
+    return [(r.name, described.get(r.name, ""), r.length) for r in index.records], splits, renamed
+
+
+def _refuse_duplicates(names: list[str], source: FastaSource) -> None:
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise _duplicate(name, source)
+        seen.add(name)
+
+
+def _duplicate(name: str, source: FastaSource) -> GenolongError:
+    return GenolongError(
+        f"record name {name!r} appears more than once in {str(source.path)!r}: give every record a unique name "
+        f"(the first word of its '>' line)"
+    )
+
+
+def _refuse_empty(named_lengths) -> None:
+    for name, length in named_lengths:
+        if length == 0:
+            raise GenolongError(f"record {name!r} has no bases: choose another record for that split")
+
+
+def _read_streaming(source: FastaSource, requested, recorder: _Recorder, progress: Progress, log):
+    """One pass over the file: requested records (and their aliases) are encoded, others only counted."""
+    wanted = candidates(requested)
+    task = progress.add_task(source.path.name, total=source.size)
+    lengths: list[tuple[str, str, int]] = []
+    seen: set[str] = set()
+    with open_stream(source) as stream:
+
+        def tracked(chunks):
+            for chunk in chunks:
+                yield chunk
+                progress.update(task, completed=stream.raw.bytes_read)
+
+        for header, chunks in fasta_records(stream, source):
+            name, description = parse_header(header)
+            if not name:
+                raise GenolongError(
+                    f"{str(source.path)!r} has a '>' line with no record name: give every record a name"
+                )
+            if name in seen:
+                raise _duplicate(name, source)
+            seen.add(name)
+            if name in wanted:
+                length = recorder.record(name, description, tracked(chunks), lambda n: None).length
+            else:
+                length = sum(count_bases(chunk) for chunk in tracked(chunks))
+            lengths.append((name, description, length))
+    progress.update(task, completed=source.size)
+    splits, renamed = resolve(requested, [name for name, _, _ in lengths], repr(str(source.path)))
+    chosen = {name for names in splits.values() for name in names}
+    _refuse_empty([(name, length) for name, _, length in lengths if name in chosen])
+    return lengths, splits, renamed
+
+
+def _is_replaceable(out: Path) -> bool:
+    """Only an earlier prepare output (or an empty directory) may be deleted by --overwrite."""
+    if not out.is_dir():
+        return False
+    return not any(out.iterdir()) or (out / manifest_io.FILENAME).is_file() or (out / "dataset_dict.json").is_file()
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise GenolongError(
+                f"output {str(out)!r} already exists: add --overwrite to replace it, or choose another --out"
+            )
+        if not _is_replaceable(out):
+            raise GenolongError(
+                f"output {str(out)!r} exists and is not a genolong prepare output, so --overwrite will not delete it: "
+                f"choose another --out or remove it yourself"
+            )
+
+
+def _install(tmp: Path, out: Path, overwrite: bool) -> None:
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    _check_out(out, overwrite)
+    old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
+    os.replace(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_error(out: Path, err: OSError) -> GenolongError:
+    return GenolongError(
+        f"could not write the output {str(out)!r} ({err.strerror or err}): "
+        "check free disk space and permissions there, or choose another --out"
+    )
+
+
+def prepare(
+    fasta: str | os.PathLike,
+    out: str | os.PathLike,
+    train: str | list[str] = DEFAULT_TRAIN,
+    holdout: str | list[str] = DEFAULT_HOLDOUT,
+    validation: str | list[str] | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = _stderr,
+) -> Path:
+    """Prepares `fasta` into the directory `out`; returns `out`. See docs/data.md for the format."""
+    out = Path(out)
+    requested = {"train": parse_names(train, "train"), "holdout": parse_names(holdout, "holdout")}
+    if validation is not None:
+        requested["validation"] = parse_names(validation, "validation")
+    check_requested(requested)
+    _check_out(out, overwrite)
+    source = sniff(fasta)
+    index = FastaIndex.load(source)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    except OSError as err:
+        raise _write_error(out, err) from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should not be
+    hasher = _Hasher(source.path)
+    hasher.start()
+    try:
+        scratch = tmp / "_records"
+        scratch.mkdir()
+        with _progress(progress) as bar:
+            recorder = _Recorder(scratch)
+            try:
+                if index is not None:
+                    lengths, splits, renamed = _read_indexed(index, requested, recorder, bar, log)
+                else:
+                    lengths, splits, renamed = _read_streaming(source, requested, recorder, bar, log)
+                recorder.flush()
+            finally:
+                recorder.close()
+        for asked, used in renamed:
+            log(f"record {asked!r} is called {used!r} in {source.path.name}: using {used!r}")
+        sha256 = hasher.hexdigest()
+        split_of = {name: split for split, names in splits.items() for name in names}
+        records = [
+            manifest_io.record_entry(
+                name, description, length, split_of.get(name), recorder.shards[name][1] if name in split_of else None
+            )
+            for name, description, length in lengths
+        ]
+        for split, names in splits.items():
+            store.write_split(tmp, split, [recorder.shards[name][0] for name in names], sha256)
+        shutil.rmtree(scratch)
+        store.write_dataset_dict(tmp, list(splits))
+        manifest_io.write(tmp, manifest_io.build(source, sha256, splits, renamed, records, index is not None))
+        _install(tmp, out, overwrite)
+    except OSError as err:
+        # Reading errors are GenolongErrors already (fasta.read_checked); this is the output side.
+        raise _write_error(out, err) from None
+    finally:
+        hasher.stop()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    summary = "; ".join(
+        f"{split}: {len(names)} record(s), {sum(r['length'] for r in records if r['split'] == split):,} bases"
+        for split, names in splits.items()
+    )
+    log(f"prepared {out} ({summary}; {len(lengths) - len(split_of)} record(s) left out)")
+    return out
