@@ -5,6 +5,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+py=.venv/bin/python
+$py -m pip install -q --upgrade pip
+$py -m pip install -q "torch==2.13.0"
+$py -m pip install -q -e ".[test]"
+
+# The TileLang sparse-attention kernels genolong pads into live in megatron-core, which ships
+# only cp312 wheels (it needs Python >= 3.12 to *run*). The kernel definitions are plain Python,
+# so for the CPU compile-only test (tests/kernels/test_compile.py) on Python 3.11 we unpack the
+# package's sources beside the venv and put them on its path. On Python >= 3.12 use the `gpu` extra.
+if ! $py -c "import megatron.core" 2>/dev/null; then
+  tmp=$(mktemp -d)
+  $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$tmp" "megatron-core==0.19.2"
+  rm -rf .venv/megatron-src && mkdir -p .venv/megatron-src
+  $py -m zipfile -e "$tmp"/megatron_core-*.whl .venv/megatron-src
+  rm -rf "$tmp"
+  site=$($py -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$PWD/.venv/megatron-src" > "$site/genolong-megatron-src.pth"
+fi

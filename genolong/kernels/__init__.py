@@ -1,1 +1,48 @@
+"""Fused GPU implementations of the model's hot ops (docs/kernels.md, contract in docs/ops.md).
 
+`load()` registers every fused implementation with genolong.model.ops. Registering needs no
+GPU package: each implementation imports its package (fla, tilelang via megatron-core,
+triton) when called and raises `KernelUnsupported` with the reason when it cannot run its
+inputs, so on a CPU machine the "fused" policy fails loudly and "auto" runs the references.
+Within an op, implementations are tried in the order below.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# op -> [(implementation name, module, function)], in order of preference.
+FUSED = {
+    "dsa_sparse_attention": [("tilelang_sparse_mla", "genolong.kernels.dsa_sparse_tilelang", "dsa_sparse_attention")],
+    # indexer_topk.dsa_indexer_topk_chunked (plain PyTorch) is deliberately not registered: a
+    # Triton failure must show up as a fallback, not as a silent 10x slower path.
+    "dsa_indexer_topk": [("triton_two_pass", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused")],
+    "kda": [("fla_chunk_kda", "genolong.kernels.kda_fla", "kda_fla")],
+    "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe_grouped", "moe_experts_grouped")],
+}
+
+# The references live beside the layers that use them; importing those modules registers them.
+_REFERENCE_MODULES = ("genolong.model.dsa", "genolong.model.indexer", "genolong.model.kda", "genolong.model.moe")
+
+
+def load() -> dict[str, list[str]]:
+    """Register the references and every fused implementation; returns {op: [implementation names]}."""
+    from genolong.model import ops
+
+    for name in _REFERENCE_MODULES:
+        importlib.import_module(name)
+    for op, impls in FUSED.items():
+        for impl, module, fn in impls:
+            ops.register(op, impl, getattr(importlib.import_module(module), fn))
+    return {op: list(ops.implementations(op)) for op in FUSED}
+
+
+def available() -> dict[str, str]:
+    """{package: version or the import error}: what the fused implementations can use here."""
+    found = {}
+    for pkg, mod in (("triton", "triton"), ("tilelang", "tilelang"), ("flash-linear-attention", "fla"), ("megatron-core", "megatron.core")):
+        try:
+            found[pkg] = getattr(importlib.import_module(mod), "__version__", "installed")
+        except Exception as why:  # a broken install is as unavailable as a missing one
+            found[pkg] = f"unavailable ({type(why).__name__}: {why})"
+    return found

@@ -1,0 +1,80 @@
+"""MoE experts as two grouped GEMMs (`torch._grouped_mm`), processed in chunks of tokens.
+
+Per chunk, the (token, expert) pairs are sorted by expert; the chunk's gathered rows then go
+through one grouped GEMM for gate/up and one for down, with the per-expert row offsets as the
+group boundaries, and are added back to their tokens weighted by the router. A chunk holds at
+most `chunk_tokens * k` rows whatever the routing, so a skewed router (real data: the busiest
+expert sees several times the mean) cannot make a transient larger than the chunk's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from genolong.kernels import _common
+from genolong.model.ops import KernelUnsupported
+
+CHUNK_BUDGET_BYTES = 1 << 30
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows a[offs[e-1]:offs[e]] times b[e] for each expert e: [M, K] x [E, K, N] -> [M, N]."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The same product as a loop of matmuls (the CPU tests' stand-in)."""
+    out, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(a[start:end] @ b[e])
+        start = end
+    return torch.cat(out, 0)
+
+
+def chunk_tokens_for(k: int, hidden: int, inter: int, itemsize: int, budget_bytes: int = CHUNK_BUDGET_BYTES) -> int:
+    # Gathered rows, gate/up, activation, down output (x dtype) and the fp32 weighted copy.
+    per_token = k * (itemsize * (hidden + 2 * inter + inter + hidden) + 4 * hidden)
+    return max(1, budget_bytes // per_token)
+
+
+def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limit, chunk_tokens=None, mm=grouped_mm):
+    n_tokens, k = topk_idx.shape
+    n_experts, two_inter, hidden = gate_up_proj.shape
+    inter = two_inter // 2
+    if chunk_tokens is None:
+        chunk_tokens = chunk_tokens_for(k, hidden, inter, x.element_size())
+    w_gate_up = gate_up_proj.transpose(1, 2)  # [E, D, 2I], a view
+    w_down = down_proj.transpose(1, 2)  # [E, I, D]
+    outputs = []
+    for n0 in range(0, n_tokens, chunk_tokens):
+        idx = topk_idx[n0 : n0 + chunk_tokens]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=n_experts), 0).to(torch.int32)
+        token = order // k
+        rows = x[n0 : n0 + chunk_tokens][token]
+        gate, up = mm(rows, w_gate_up, offs).chunk(2, dim=-1)
+        h = F.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)
+        out = mm(h, w_down, offs)
+        weight = topk_w[n0 : n0 + chunk_tokens].reshape(-1)[order]
+        y = torch.zeros(idx.shape[0], hidden, dtype=x.dtype, device=x.device)
+        y = y.index_add(0, token, (out * weight[:, None]).to(x.dtype))
+        outputs.append(y)
+    return torch.cat(outputs, 0) if len(outputs) != 1 else outputs[0]
+
+
+def moe_experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limit):
+    """The "moe_experts" op (docs/ops.md) on torch._grouped_mm (CUDA, bf16, Hopper)."""
+    _common.require_cuda(x, topk_idx, topk_w, gate_up_proj, down_proj)
+    for name, t in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        _common.require_dtype(name, t, torch.bfloat16)
+    if not hasattr(torch, "_grouped_mm"):
+        raise KernelUnsupported("this torch has no torch._grouped_mm")
+    major, _ = torch.cuda.get_device_capability(x.device)
+    if major < 9:
+        raise KernelUnsupported(f"torch._grouped_mm needs compute capability >= 9.0, got {major}.x")
+    _, two_inter, hidden = gate_up_proj.shape
+    if hidden % 8 or two_inter % 16:
+        raise KernelUnsupported(f"grouped GEMM needs 16-byte aligned rows: hidden {hidden}, 2*inter {two_inter}")
+    return experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, swiglu_limit=swiglu_limit)

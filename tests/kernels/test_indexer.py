@@ -1,0 +1,118 @@
+"""The indexer's chunked and two-pass selections against the model's reference, on the CPU."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from genolong.kernels import _common
+from genolong.kernels import indexer_topk as it
+from genolong.model.indexer import indexer_topk_reference
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(_common, "POISON", True)
+
+
+def _inputs(batch, seq, heads, dim, kpool, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Positive-mean q and keys keep every q.K above zero, so relu never flattens scores into ties.
+    q = torch.randn(batch, seq, heads, dim, generator=g) * 0.3 + 1.0
+    keys = torch.randn(batch, seq // kpool, dim, generator=g) * 0.3 + 1.0
+    w = torch.randn(batch, seq, heads, generator=g) * heads**-0.5
+    return q, keys, w
+
+
+def _as_sets(x):
+    return [[set(row.tolist()) - {-1} for row in b] for b in x]
+
+
+CASES = [  # (seq, kpool, topk_pools, tail): sparse, early queries with fewer pools than top-k, no tail, kpool 1
+    (203, 4, 8, True),
+    (160, 4, 64, True),
+    (96, 2, 5, False),
+    (70, 1, 9, True),
+]
+
+
+@pytest.mark.parametrize("seq,kpool,topk,tail", CASES)
+@pytest.mark.parametrize("impl", ["chunked", "two_pass_g4", "two_pass_g8"])
+def test_selection_equals_reference(seq, kpool, topk, tail, impl):
+    q, keys, w = _inputs(2, seq, 4, 32, kpool, seed=seq + topk)
+    kw = dict(kpool=kpool, topk_pools=topk, always_select_tail=tail, softmax_scale=32**-0.5)
+    ref = indexer_topk_reference(q, keys, w, **kw)
+    # A tiny budget forces many query chunks (the minimum, 64 rows).
+    if impl == "chunked":
+        got = it.indexer_chunked(q, keys, w, budget_bytes=1, **kw)
+    else:
+        got = it.indexer_two_pass(q, keys, w, group=int(impl[-1]), budget_bytes=1, **kw)
+    assert got.dtype == torch.int32 and got.shape == ref.shape
+    assert (got != _common.POISON_INT).all()
+    assert _as_sets(got) == _as_sets(ref)
+    # Every slot is -1 or a causal token index, with no duplicates in a row.
+    t = torch.arange(seq)[None, :, None]
+    assert ((got == -1) | ((got >= 0) & (got <= t))).all()
+    assert all(len(r) == int((row >= 0).sum()) for b, gb in zip(_as_sets(got), got) for r, row in zip(b, gb))
+
+
+def test_two_pass_needs_every_pool_of_the_chosen_groups():
+    # Rescoring only the best pool of each chosen group is a different (wrong) selection: the
+    # comparison above can fail.
+    q, keys, w = _inputs(1, 512, 4, 32, 4, seed=3)
+    kw = dict(kpool=4, topk_pools=16, always_select_tail=True, softmax_scale=32**-0.5)
+    ref = indexer_topk_reference(q, keys, w, **kw)
+
+    def first_pool_only(q, keys, w, t, gidx, gval, *, kpool, scale, group):
+        s = it.candidate_scores_torch(q, keys, w, t, gidx, gval, kpool=kpool, scale=scale, group=group)
+        s.view(s.shape[0], -1, group)[..., 1:] = float("-inf")
+        return s
+
+    got = it.indexer_two_pass(q, keys, w, group=4, candidate_scores=first_pool_only, **kw)
+    assert _as_sets(got) != _as_sets(ref)
+
+
+def test_chunk_rows_follow_the_budget_not_the_length():
+    budget = 2 << 30
+    for seq in (16 * 1024, 256 * 1024, 1024 * 1024):
+        pools = seq // 4
+        per_row = pools // it.GROUP * 8 + 512 * (it.GROUP * 4 + 24) + 2051 * 8
+        rows = it.chunk_rows(per_row, budget)
+        assert rows % it.MIN_CHUNK == 0 and rows * per_row <= budget
+    # At 1M tokens the chunk is still thousands of queries, not a handful.
+    assert it.chunk_rows(1024 * 1024 // 4 // it.GROUP * 8 + 512 * 56 + 2051 * 8, budget) >= 4096
+
+
+def test_expand_pools_layout():
+    pools = torch.tensor([[2, -1], [0, 1]])
+    out = it.expand_pools(pools, torch.tensor([13, 10]), kpool=4, topk_pools=2, always_select_tail=True)
+    assert out.tolist() == [[8, 9, 10, 11, -1, -1, -1, -1, 12, 13, -1], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+_INTERPRETED = """
+import torch
+from genolong.kernels import indexer_topk as it, indexer_triton
+from genolong.model.indexer import indexer_topk_reference
+g = torch.Generator().manual_seed(0)
+seq, kpool = 600, 4
+q = (torch.randn(1, seq, 4, 32, generator=g) * 0.3 + 1.0).half()
+keys = (torch.randn(1, seq // kpool, 32, generator=g) * 0.3 + 1.0).half()
+w = torch.randn(1, seq, 4, generator=g)
+kw = dict(kpool=kpool, topk_pools=12, always_select_tail=True, softmax_scale=32**-0.5)
+ref = indexer_topk_reference(q, keys, w, **kw)
+got = it.indexer_two_pass(q, keys, w, budget_bytes=1, group_max=indexer_triton.group_max,
+                          candidate_scores=indexer_triton.candidate_scores, **kw)
+sets = lambda x: [set(r) - {-1} for r in x[0].tolist()]
+print("MISMATCHED", sum(a != b for a, b in zip(sets(got), sets(ref))))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_passes_in_the_interpreter_select_like_the_reference():
+    # Triton's CPU interpreter runs the kernels' own code (fp16: the interpreter has no bf16).
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert "MISMATCHED 0" in run.stdout, run.stdout + run.stderr[-3000:]
