@@ -1,0 +1,145 @@
+"""`genolong finetune` (this file) and `genolong plan` (genolong.train.plan_cli)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from genolong.errors import GenolongError
+from genolong.train.plan_cli import plan  # noqa: F401  (mounted by genolong.cli)
+
+_MEM = "Memory optimizations (each can be switched off alone; --baseline switches all off)"
+_RUN = "Run"
+
+
+def finetune(
+    data: Annotated[str | None, typer.Option(help="A directory written by `genolong prepare`.", show_default=False)] = None,
+    seq: Annotated[str, typer.Option(help="Tokens per sequence: 512k, 1M, 32k, 4096 (k = 1024).")] = "512k",
+    preset: Annotated[str, typer.Option(help="Model preset to train from scratch: glm53-mini, glm-5.3-flash, tiny.")] = "glm53-mini",
+    model: Annotated[
+        str | None,
+        typer.Option(help="A transformers glm5_next checkpoint directory to fine-tune (overrides --preset).", show_default=False),
+    ] = None,
+    out: Annotated[str | None, typer.Option(help="Run directory (log, checkpoints).", show_default=False)] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(help="Continue the run in this directory from its latest complete checkpoint (its options are reused).", show_default=False),
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 80,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW).")] = 1e-4,
+    warmup: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = 10,
+    min_lr_ratio: Annotated[float, typer.Option(help="Cosine floor as a fraction of --lr.")] = 0.1,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (matrices only).")] = 0.1,
+    grad_clip: Annotated[float, typer.Option(help="Max global gradient norm (0: no clipping).")] = 1.0,
+    batch: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 1,
+    grad_accum: Annotated[int, typer.Option(help="Micro-batches the step's sequences are split into.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the model init, the window sampler and the RNGs.")] = 0,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N steps (0: only at the end).")] = 0,
+    keep_last: Annotated[int, typer.Option(help="Complete checkpoints to keep.")] = 2,
+    stop_after: Annotated[
+        int | None, typer.Option(help="End this invocation after N steps, checkpointed (continue with --resume).", show_default=False)
+    ] = None,
+    overfit: Annotated[int, typer.Option(help="Train repeatedly on a fixed set of N windows (a correctness check).")] = 0,
+    max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N bases.")] = 0.1,
+    kernels: Annotated[
+        str | None,
+        typer.Option(help="Hot-op policy: fused (fail loudly on a fallback), auto, reference [default: fused on CUDA, reference on CPU].", show_default=False),
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cuda, cuda:1, cpu [default: cuda if available].", show_default=False)] = None,
+    launcher: Annotated[str, typer.Option(help="local (a spawned worker process) or ray (a Ray actor).")] = "local",
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address [default: start a local Ray].", show_default=False)] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+    recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Full-layer activation recompute (off also turns offload off).", rich_help_panel=_MEM)] = True,
+    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Layer inputs to pinned host memory.", rich_help_panel=_MEM)] = True,
+    offload_layers: Annotated[
+        int | None, typer.Option(help="Layers that offload [default: as many as the GPU budget needs].", rich_help_panel=_MEM, show_default=False)
+    ] = None,
+    pinned: Annotated[bool, typer.Option("--pinned/--no-pinned", help="Pinned (page-locked) host buffers.", rich_help_panel=_MEM)] = True,
+    overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Offload copies on their own streams.", rich_help_panel=_MEM)] = True,
+    moe_chunking: Annotated[bool, typer.Option("--moe-chunking/--no-moe-chunking", help="MoE in sequence chunks.", rich_help_panel=_MEM)] = True,
+    moe_chunk: Annotated[str, typer.Option(help="Tokens per MoE chunk.", rich_help_panel=_MEM)] = "64k",
+    mhc_low_precision: Annotated[
+        bool, typer.Option("--mhc-low-precision/--no-mhc-low-precision", help="mHC projection without an fp32 input copy.", rich_help_panel=_MEM)
+    ] = True,
+    chunked_loss: Annotated[
+        bool, typer.Option("--chunked-loss/--no-chunked-loss", help="LM head + loss in chunks (no [T, vocab] logits).", rich_help_panel=_MEM)
+    ] = True,
+    loss_chunk: Annotated[
+        str | None, typer.Option(help="Tokens per loss chunk [default: ~1 GiB of fp32 logits].", rich_help_panel=_MEM, show_default=False)
+    ] = None,
+    gpu_budget: Annotated[float | None, typer.Option(help="GPU memory budget, GiB [default: the device's].", rich_help_panel=_MEM, show_default=False)] = None,
+    host_budget: Annotated[float | None, typer.Option(help="Pinned host memory budget, GiB [default: the machine's].", rich_help_panel=_MEM, show_default=False)] = None,
+    baseline: Annotated[bool, typer.Option("--baseline", help="Every memory optimization off (the stack out of the box).", rich_help_panel=_MEM)] = False,
+) -> None:
+    """Fine-tune (or train from scratch) on a prepared genome at 512k-1M tokens per sequence.
+
+    Examples: genolong finetune --data data/hg38 --seq 512k --preset glm53-mini --steps 80 --out runs/a;
+    genolong finetune --data data/hg38 --seq 128k --model /path/to/glm5_next --out runs/b;
+    genolong finetune --resume runs/a
+    """
+    from genolong.train.launch import launch
+    from genolong.train.loop import load_run_options
+    from genolong.train.options import MemoryOptions, TrainOptions
+    from genolong.units import parse_length
+
+    if resume:
+        # The run's own options decide what is trained; only where and how it runs may change.
+        # stop_after always applies to this invocation (the saved one belonged to the last).
+        given = {k: v for k, v in {"device": device, "kernels": kernels, "ray_address": ray_address}.items() if v is not None}
+        options = load_run_options(resume, launcher=launcher, progress=progress, stop_after=stop_after, **given)
+    else:
+        if data is None or out is None:
+            raise GenolongError("finetune needs --data DIR and --out RUN_DIR (or --resume RUN_DIR to continue a run)")
+        memory_fields = {
+            "offload_layers": offload_layers,
+            "moe_chunk_tokens": parse_length(moe_chunk, "--moe-chunk"),
+            "loss_chunk_tokens": parse_length(loss_chunk, "--loss-chunk") if loss_chunk else None,
+            "gpu_budget_gib": gpu_budget,
+            "host_budget_gib": host_budget,
+        }
+        if baseline:
+            memory = MemoryOptions.baseline(**memory_fields)
+        else:
+            memory = MemoryOptions(
+                recompute=recompute,
+                # Offload moves the layer inputs that recompute keeps: --no-recompute implies no offload.
+                offload=offload and recompute,
+                offload_pinned=pinned,
+                offload_overlap=overlap,
+                moe_chunking=moe_chunking,
+                mhc_low_precision=mhc_low_precision,
+                chunked_loss=chunked_loss,
+                **memory_fields,
+            )
+        options = TrainOptions(
+            data=data,
+            out=out,
+            seq_len=parse_length(seq, "--seq"),
+            preset=None if model else preset,
+            model_path=model,
+            steps=steps,
+            lr=lr,
+            warmup=warmup,
+            min_lr_ratio=min_lr_ratio,
+            weight_decay=weight_decay,
+            grad_clip=grad_clip,
+            batch=batch,
+            grad_accum=grad_accum,
+            seed=seed,
+            save_every=save_every,
+            keep_last=keep_last,
+            stop_after=stop_after,
+            overfit=overfit,
+            max_n_fraction=max_n_fraction,
+            kernels=kernels,
+            device=device,
+            launcher=launcher,
+            ray_address=ray_address,
+            progress=progress,
+            memory=memory,
+        )
+    records = launch(options)
+    if records:
+        last = records[-1]
+        typer.echo(f"step {last['step']}/{options.steps}: loss {last['loss']:.4f}; run directory {options.out}")

@@ -1,0 +1,418 @@
+"""The training loop: `train(options) -> per-step records`, on one device, no process groups.
+
+One step (docs/training.md):
+1. take `batch` windows of seq_len + 1 bases (inputs = the first seq_len, targets = shifted by
+   one), count the step's valid targets (not N) once;
+2. for each of `grad_accum` micro-batches: hidden states, chunked LM loss divided by that
+   global count, backward (gradients add up to the gradient of the step's mean loss);
+3. global gradient norm; a non-finite loss or norm skips the update (counted; the run stops
+   with the reason after `max_nonfinite` in a row); otherwise clip and take an AdamW step at
+   the scheduled learning rate;
+4. one record: loss, lr, grad norm, tokens/s, MFU/HFU, peak GPU memory, pinned host bytes;
+   JSONL, TensorBoard, progress bar; a checkpoint every `save_every` steps and at the end.
+
+Everything a step depends on is either in the checkpoint (weights, optimizer, sampler position,
+RNG states, counters) or a pure function of the options (the schedule), so a resumed run
+repeats the uninterrupted run's losses exactly on CPU.
+
+Parallelism is applied from outside: the loss takes a global valid count, and nothing here
+creates a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from genolong.errors import GenolongError
+from genolong.model import ops
+from genolong.train import checkpoint as ckpt_io
+from genolong.train.flops import peak_flops, step_flops
+from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss
+from genolong.train.metrics import JsonlLog, Progress, StepRecord, TensorBoardLog
+from genolong.train.optim import MasterAdamW, clip_scale, lr_at
+from genolong.train.options import (
+    TrainOptions,
+    resolve_device,
+    resolve_dtype,
+    resolve_kernels,
+)
+from genolong.units import format_length
+from genolong.vocab import N_ID
+
+log = logging.getLogger("genolong.train")
+GIB = 1024**3
+
+
+class TrainingStopped(GenolongError):
+    """The run stopped on purpose (too many non-finite steps); the message says why."""
+
+
+@dataclass
+class _Batch:
+    inputs: torch.Tensor  # [b, T] token ids the model reads (checkpoint ids when fine-tuning a GLM)
+    targets: torch.Tensor  # [b, T]
+    valid: torch.Tensor  # [b, T] bool: target is not N
+
+
+def check_inputs(options: TrainOptions) -> None:
+    """Every check that needs no model and no device: run by the launcher before it starts a worker,
+    so that bad input is one line at once (the worker's `train` repeats them, cheaply)."""
+    options.validate()
+    if not options.out:
+        raise GenolongError("--out is required: the run directory for the log and checkpoints")
+    if not options.data:
+        raise GenolongError("--data is required: a directory written by `genolong prepare`")
+    if options.resume:
+        ckpt_io.check_run_dir(options.out)
+    elif (Path(options.out) / ckpt_io.OPTIONS_FILE).exists():
+        raise GenolongError(f"--out {options.out} already holds a run; continue it with --resume {options.out} or pick a new --out")
+    _open_sampler(options)
+    if options.model_path and not options.resume:
+        from genolong.model.checkpoint import read_config
+        from genolong.model.hf_config import from_hf
+        from genolong.model.vocab import dna_to_checkpoint_ids
+
+        config = from_hf(read_config(options.model_path))
+        dna_to_checkpoint_ids(options.model_path, vocab_size=config.vocab_size)
+    elif options.preset and not options.resume:
+        from genolong.model import get_preset
+
+        get_preset(options.preset)
+    resolve_dtype(options, resolve_device(options))
+
+
+def train(options: TrainOptions) -> list[dict]:
+    """Run, or with `options.resume` continue, the run in `options.out`; return this invocation's records."""
+    check_inputs(options)
+    device = resolve_device(options)
+    dtype = resolve_dtype(options, device)
+    run_dir = Path(options.out)
+    resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
+    if resume_from is None:
+        _start_run_dir(run_dir, options)
+
+    _seed_everything(options.seed)
+    sampler = _open_sampler(options)
+    model, dna_map = _build_model(options, device, dtype, resume_from)
+    _set_kernel_policy(resolve_kernels(options, device))
+    handle = _apply_memory(model, options)
+    optimizer = MasterAdamW(
+        list(model.named_parameters()),
+        lr=options.lr,
+        betas=(options.beta1, options.beta2),
+        eps=options.eps,
+        weight_decay=options.weight_decay,
+    )
+    start, nonfinite_total, nonfinite_run = 0, 0, 0
+    if resume_from is not None:
+        state = ckpt_io.load_trainer_state(resume_from)
+        try:
+            optimizer.load_state_dict(ckpt_io.load_optimizer_state(resume_from, device))
+        except (KeyError, RuntimeError) as err:
+            raise GenolongError(f"--resume {run_dir}: the optimizer state of {resume_from.name} does not match the model ({err})") from None
+        if options.overfit == 0:
+            sampler.load_state_dict(ckpt_io.from_jsonable(state["sampler"]))
+        ckpt_io.restore_rng(state["rng"])
+        start = int(state["step"])
+        nonfinite_total, nonfinite_run = int(state["nonfinite_total"]), int(state["nonfinite_run"])
+        log.info("resumed %s at step %d", run_dir, start)
+
+    batches = _batches(options, sampler, dna_map, device, start)
+    chunk = options.memory.loss_chunk_tokens or auto_chunk_tokens(model.config.vocab_size)
+    flops = step_flops(
+        model.config,
+        options.seq_len,
+        recompute=options.memory.recompute,
+        chunked_loss=options.memory.chunked_loss,
+        moe_recompute=options.memory.moe_chunking,
+    ).scaled(options.batch)
+    peak = peak_flops(torch.cuda.get_device_name(device) if device.startswith("cuda") else None)
+    end = options.steps if options.stop_after is None else min(options.steps, start + options.stop_after)
+
+    jsonl = JsonlLog(run_dir / ckpt_io.METRICS_FILE, truncate_after_step=start if resume_from is not None else None)
+    tensorboard = TensorBoardLog(run_dir, options.tensorboard)
+    progress = Progress(options.steps, start, options.progress)
+    records: list[dict] = []
+    ops.reset_audit()
+    model.train()
+    try:
+        for step in range(start, end):
+            batch = next(batches)
+            record = _train_step(model, optimizer, batch, options, step, chunk, device, handle, flops, peak)
+            nonfinite_run = nonfinite_run + 1 if record.skipped else 0
+            nonfinite_total += int(record.skipped)
+            record.nonfinite_total = nonfinite_total
+            jsonl.write(record)
+            tensorboard.write(record)
+            progress.update(record)
+            records.append(record.__dict__.copy())
+            if step == start:
+                _write_kernel_audit(run_dir)
+                _write_memory_setup(run_dir, handle)
+            if nonfinite_run >= options.max_nonfinite:
+                raise TrainingStopped(
+                    f"stopped at step {step + 1}: {nonfinite_run} consecutive steps had a non-finite loss or gradient "
+                    f"(last loss {record.loss}, grad norm {record.grad_norm}); lower --lr or check the data; the last "
+                    "good checkpoint is in the run directory"
+                )
+            done = step + 1
+            if done == end or (options.save_every and done % options.save_every == 0):
+                _save(run_dir, done, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run)
+    finally:
+        progress.close()
+        jsonl.close()
+        tensorboard.close()
+        if handle is not None and hasattr(handle, "remove"):
+            # Gives the pinned host pool back now: a benchmark calling train() repeatedly in one
+            # process would otherwise hold one pool per run until garbage collection.
+            handle.remove()
+    return records
+
+
+def _train_step(model, optimizer, batch_list, options, step, chunk, device, handle, flops, peak) -> StepRecord:
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    _reset_host_peak(handle)
+    t0 = time.perf_counter()
+    valid_count = sum(int(b.valid.sum()) for b in batch_list)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for micro in batch_list:
+        hidden = model.hidden_states(micro.inputs)
+        weight = model.lm_head.weight
+        if options.memory.chunked_loss:
+            loss = chunked_lm_loss(hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=valid_count)
+        else:
+            loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=valid_count)
+        loss.backward()
+        total += loss.detach()
+        del hidden, loss
+    loss_value = float(total)
+    grad_norm = optimizer.grad_norm()
+    lr = lr_at(step, options.lr, options.warmup, options.steps, options.min_lr_ratio)
+    skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step(lr, clip_scale(grad_norm, options.grad_clip))
+    optimizer.zero_grad()
+    if cuda:
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0
+    tokens = options.batch * options.seq_len
+    return StepRecord(
+        step=step + 1,
+        loss=loss_value,
+        lr=lr,
+        grad_norm=grad_norm,
+        skipped=skipped,
+        tokens=tokens,
+        valid_tokens=valid_count,
+        step_time_s=elapsed,
+        tokens_per_s=tokens / elapsed,
+        model_tflops=flops.model / 1e12,
+        hardware_tflops=flops.hardware / 1e12,
+        mfu=flops.model / elapsed / peak if peak else None,
+        hfu=flops.hardware / elapsed / peak if peak else None,
+        peak_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
+        reserved_gpu_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
+        pinned_host_gib=_host_peak(handle),
+        nonfinite_total=0,
+    )
+
+
+# ------------------------------------------------------------------------------ set-up pieces
+
+
+def _start_run_dir(run_dir: Path, options: TrainOptions) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved = options.to_dict()
+    saved["resume"] = False
+    (run_dir / ckpt_io.OPTIONS_FILE).write_text(json.dumps(saved, indent=1) + "\n", encoding="utf-8")
+
+
+def load_run_options(run_dir: str | Path, **overrides) -> TrainOptions:
+    """The options a run was started with, marked for resume, with launch-time `overrides`
+    (device, progress, stop_after, launcher, ...) applied."""
+    ckpt_io.check_run_dir(run_dir)
+    saved = json.loads((Path(run_dir) / ckpt_io.OPTIONS_FILE).read_text(encoding="utf-8"))
+    options = TrainOptions.from_dict(saved)
+    options.out = str(run_dir)
+    options.resume = True
+    for key, value in overrides.items():
+        setattr(options, key, value)
+    return options
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _open_sampler(options: TrainOptions):
+    from genolong.data import WindowSampler, open_prepared
+
+    if not Path(options.data).is_dir():
+        raise GenolongError(f"--data {options.data}: no such directory; run `genolong prepare` first and pass its --out")
+    genome = open_prepared(options.data)
+    # seq_len + 1 bases: the model reads seq_len tokens and predicts each one's successor.
+    records = genome.records(options.split)
+    longest = max((n for _, n in records), default=0)
+    if options.seq_len + 1 > longest:
+        raise GenolongError(
+            f"--seq {format_length(options.seq_len)} needs windows of {options.seq_len + 1:,} bases (the inputs plus "
+            f"one shifted target) but the longest {options.split!r} record of {options.data} has {longest:,}; "
+            f"use --seq {longest - 1} or less, or prepare longer records into that split"
+        )
+    return WindowSampler(
+        genome,
+        options.split,
+        options.seq_len + 1,
+        seed=options.seed,
+        max_n_fraction=options.max_n_fraction,
+        reverse_complement=options.reverse_complement,
+    )
+
+
+def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None):
+    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
+
+    The pre-flight memory check runs on the config, before any weight is allocated.
+    """
+    from genolong.model import GenoLongForCausalLM, from_pretrained, get_preset
+    from genolong.model.checkpoint import read_config
+    from genolong.model.hf_config import from_hf
+    from genolong.model.vocab import dna_to_checkpoint_ids
+
+    dna_map = None
+    if resume_from is not None or options.model_path:
+        source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
+        _preflight(from_hf(read_config(source)), options, device)
+        model = from_pretrained(source, dtype=dtype, device=device)
+        if resume_from is not None:
+            ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
+            dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
+        else:
+            dna_map = dna_to_checkpoint_ids(source, vocab_size=model.config.vocab_size)
+    else:
+        config = get_preset(options.preset)
+        _preflight(config, options, device)
+        with torch.device(device):
+            model = GenoLongForCausalLM(config, dtype=dtype)
+    if dna_map is not None:
+        dna_map = dna_map.to(device)
+    return model, dna_map
+
+
+def _preflight(config, options: TrainOptions, device: str) -> None:
+    """Refuse a run that cannot fit before the model and its activations are allocated (GPU only)."""
+    if not device.startswith("cuda"):
+        return
+    from genolong.train.plan import preflight
+
+    preflight(config, options.seq_len, options.memory, n_gpus=1, batch=options.micro_batch)
+
+
+def _set_kernel_policy(policy: str) -> None:
+    if policy != "reference":
+        import genolong.kernels
+
+        genolong.kernels.load()
+    ops.use(policy)
+
+
+def _apply_memory(model, options: TrainOptions):
+    from genolong.train.memory import apply_memory_optimizations
+
+    return apply_memory_optimizations(model, options.memory)
+
+
+def _reset_host_peak(handle) -> None:
+    if handle is not None and hasattr(handle, "reset_stats"):
+        handle.reset_stats()
+
+
+def _host_peak(handle) -> float | None:
+    stats = getattr(handle, "stats", None)
+    peak = getattr(stats, "peak_pinned_bytes", None)
+    return peak / GIB if peak is not None else None
+
+
+def _batches(options: TrainOptions, sampler, dna_map, device: str, start: int):
+    """Infinite iterator of steps from step `start` on; a step is a list of `grad_accum` micro-batches."""
+    windows = iter(sampler)
+    if options.overfit:
+        # The fixed set is the fresh sampler's first windows (same seed -> same set on resume).
+        fixed = [next(windows) for _ in range(options.overfit)]
+        k = start * options.batch % len(fixed)
+        while True:
+            take = [fixed[(k + i) % len(fixed)] for i in range(options.batch)]
+            k = (k + options.batch) % len(fixed)
+            yield _split(take, options, dna_map, device)
+    while True:
+        yield _split([next(windows) for _ in range(options.batch)], options, dna_map, device)
+
+
+def _split(windows, options: TrainOptions, dna_map, device: str) -> list[_Batch]:
+    tokens = torch.from_numpy(np.stack([np.asarray(w.tokens, dtype=np.uint8) for w in windows])).long()
+    if tokens.shape[1] != options.seq_len + 1:
+        raise GenolongError(f"the sampler returned windows of {tokens.shape[1]} bases, expected {options.seq_len + 1}")
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    valid = targets != N_ID
+    if dna_map is not None:
+        inputs, targets = dna_map.cpu()[inputs], dna_map.cpu()[targets]
+    micro = options.micro_batch
+    return [
+        _Batch(
+            inputs[i : i + micro].to(device, non_blocking=True),
+            targets[i : i + micro].to(device, non_blocking=True),
+            valid[i : i + micro].to(device, non_blocking=True),
+        )
+        for i in range(0, options.batch, micro)
+    ]
+
+
+def _write_kernel_audit(run_dir: Path) -> None:
+    """Which implementation each hot op ran, per layer count (seed lesson: verify the kernels)."""
+    summary = ops.audit_summary()
+    (run_dir / "kernels.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    if summary:
+        log.info("kernels: %s", summary)
+
+
+def _write_memory_setup(run_dir: Path, handle) -> None:
+    """What the memory optimizations actually did (offloaded layers are chosen at the first forward)."""
+    if handle is not None and hasattr(handle, "describe"):
+        (run_dir / "memory.json").write_text(json.dumps(handle.describe(), indent=1) + "\n", encoding="utf-8")
+
+
+def _save(run_dir, step, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run) -> None:
+    from genolong.model import save_pretrained
+
+    def write_model(path: Path) -> None:
+        save_pretrained(model, path)
+        if options.model_path and dna_map is not None:
+            tokenizer = Path(options.model_path) / "tokenizer.json"
+            if tokenizer.is_file():
+                shutil.copy2(tokenizer, path / "tokenizer.json")
+
+    state = {
+        "step": step,
+        "schedule": {"lr": options.lr, "warmup": options.warmup, "steps": options.steps, "min_lr_ratio": options.min_lr_ratio},
+        "sampler": ckpt_io.to_jsonable(sampler.state_dict()) if options.overfit == 0 else None,
+        "rng": ckpt_io.capture_rng(),
+        "nonfinite_total": nonfinite_total,
+        "nonfinite_run": nonfinite_run,
+        "dna_token_ids": dna_map.tolist() if dna_map is not None else None,
+    }
+    ckpt_io.save(run_dir, step, write_model, optimizer.state_dict(), state, options.keep_last)

@@ -1,0 +1,140 @@
+"""Per-step records and where they go: metrics.jsonl, TensorBoard (if installed), a progress bar.
+
+One JSON line per step, written and flushed as the step ends, so a crashed run keeps its log up
+to the crash; on resume the log is cut back to the checkpoint's step before new lines are added,
+so the file always reads as one uninterrupted run. Field meanings are in docs/training.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class StepRecord:
+    step: int  # 1-based: the number of optimizer steps taken after this one
+    loss: float  # mean loss over the step's valid tokens (nan when non-finite)
+    lr: float
+    grad_norm: float  # global norm before clipping
+    skipped: bool  # non-finite loss or gradient: no update was made
+    tokens: int  # input tokens processed in the step (this replica)
+    valid_tokens: int  # targets counted in the loss (non-N)
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops: float  # model FLOPs of the step / 1e12
+    hardware_tflops: float  # with recompute and loss-head recompute
+    mfu: float | None  # model FLOP/s over the device's dense bf16 peak; None when the peak is unknown
+    hfu: float | None
+    peak_gpu_gib: float | None  # torch.cuda.max_memory_allocated during the step
+    reserved_gpu_gib: float | None
+    pinned_host_gib: float | None  # peak host bytes holding offloaded layer inputs during the step
+    nonfinite_total: int  # skipped steps so far in the run
+
+    def to_json(self) -> str:
+        return json.dumps({k: _clean(v) for k, v in asdict(self).items()})
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no nan/inf; "nan" keeps the line parseable by any reader
+    return v
+
+
+class JsonlLog:
+    def __init__(self, path: Path, truncate_after_step: int | None = None):
+        self.path = path
+        if truncate_after_step is not None and path.exists():
+            kept = [
+                line
+                for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= truncate_after_step
+            ]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        elif truncate_after_step is None and path.exists():
+            path.unlink()
+        self._f = path.open("a", encoding="utf-8")
+
+    def write(self, record: StepRecord) -> None:
+        self._f.write(record.to_json() + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardLog:
+    """Scalars to RUN_DIR/tensorboard when `tensorboard` is installed; silently nothing otherwise."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.writer = None
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, record: StepRecord) -> None:
+        if self.writer is None:
+            return
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_gpu_gib", "pinned_host_gib"):
+            value = getattr(record, key)
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(f"train/{key}", value, record.step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Progress:
+    """A rich progress bar with the latest loss, tokens/s, MFU and memory (off: no output at all)."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self._bar = None
+        if not enabled:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+        from rich.progress import Progress as RichProgress
+
+        self._bar = RichProgress(
+            TextColumn("[bold]finetune"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        self._task = self._bar.add_task("train", total=total, completed=start, info="")
+        self._bar.start()
+
+    def update(self, record: StepRecord) -> None:
+        if self._bar is None:
+            return
+        parts = [f"loss {record.loss:.4f}", f"{record.tokens_per_s:,.0f} tok/s"]
+        if record.mfu is not None:
+            parts.append(f"MFU {100 * record.mfu:.1f}%")
+        if record.peak_gpu_gib is not None:
+            parts.append(f"peak {record.peak_gpu_gib:.1f} GiB")
+        if record.pinned_host_gib:
+            parts.append(f"pinned {record.pinned_host_gib:.1f} GiB")
+        if record.skipped:
+            parts.append("[red]skipped (non-finite)")
+        self._bar.update(self._task, completed=record.step, info="  ".join(parts))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]

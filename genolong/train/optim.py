@@ -1,0 +1,135 @@
+"""AdamW with fp32 master weights and state, global-norm clipping, warmup + cosine schedule.
+
+Precision choice (docs/training.md): on the GPU the model's parameters are bf16 and this
+optimizer keeps an fp32 master copy plus fp32 moments (16 bytes per parameter with the bf16
+gradient). The alternative, fp32 parameters under bf16 autocast, costs the same per parameter
+but leaves every activation that is not a matmul output in fp32: the 4 mHC residual streams,
+norms and gates. At 512k tokens one layer's 4-stream input is 16 GiB in bf16 and 32 GiB in fp32,
+and those are exactly the tensors recompute keeps and offload moves; bf16 parameters halve them.
+
+fp32 parameters (the CPU default) are their own master copy, so nothing is duplicated there.
+The update is done one parameter at a time, so the fp32 gradient copy of a bf16 parameter
+exists for one tensor at a time, never for the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class MasterAdamW:
+    """Decoupled-weight-decay Adam (as torch.optim.AdamW) over fp32 masters of `named_params`.
+
+    Parameters for which `no_decay(name, param)` is true get no weight decay (default_no_decay).
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        no_decay=None,
+    ):
+        self.params = {name: p for name, p in named_params if p.requires_grad}
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        no_decay = no_decay or default_no_decay
+        self.decay = {name: not no_decay(name, p) for name, p in self.params.items()}
+        self.master = {
+            name: (p.detach() if p.dtype == torch.float32 else p.detach().float().clone()) for name, p in self.params.items()
+        }
+        self.exp_avg = {name: torch.zeros_like(m) for name, m in self.master.items()}
+        self.exp_avg_sq = {name: torch.zeros_like(m) for name, m in self.master.items()}
+        self.step_count = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Global L2 norm of all gradients, accumulated in fp32 (inf/nan when any gradient is)."""
+        total = None
+        for p in self.params.values():
+            if p.grad is None:
+                continue
+            # fp32 accumulation without an fp32 copy of the gradient (the embedding's is GiBs).
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+            total = sq if total is None else total + sq
+        return math.sqrt(total.item()) if total is not None else 0.0
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One AdamW update at learning rate `lr`, gradients multiplied by `grad_scale` (clipping)."""
+        self.step_count += 1
+        b1, b2 = self.betas
+        bias1 = 1 - b1**self.step_count
+        bias2 = 1 - b2**self.step_count
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            master, m, v = self.master[name], self.exp_avg[name], self.exp_avg_sq[name]
+            g = p.grad.float()
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            if self.decay[name] and self.weight_decay:
+                master.mul_(1 - lr * self.weight_decay)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(bias2)).add_(self.eps)
+            master.addcdiv_(m, denom, value=-lr / bias1)
+            if master is not p.data and master.data_ptr() != p.data_ptr():
+                p.copy_(master)
+            del g, denom
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat {name: tensor} (safetensors-ready); the step count is a 0-d tensor."""
+        out: dict[str, torch.Tensor] = {"step": torch.tensor(self.step_count, dtype=torch.int64)}
+        for name in self.params:
+            out[f"master.{name}"] = self.master[name]
+            out[f"exp_avg.{name}"] = self.exp_avg[name]
+            out[f"exp_avg_sq.{name}"] = self.exp_avg_sq[name]
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.params if f"master.{n}" not in state]
+        if missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        self.step_count = int(state["step"])
+        for name, p in self.params.items():
+            self.master[name].copy_(state[f"master.{name}"])
+            self.exp_avg[name].copy_(state[f"exp_avg.{name}"])
+            self.exp_avg_sq[name].copy_(state[f"exp_avg_sq.{name}"])
+            if self.master[name].data_ptr() != p.data_ptr():
+                p.copy_(self.master[name])
+
+
+def default_no_decay(name: str, p: torch.Tensor) -> bool:
+    """No weight decay on vectors (norm scales, biases, gate biases, A_log, dt_bias) nor on the
+    token embedding: fine-tuning a GLM checkpoint on DNA touches 5 of its 154,880 rows, and decay
+    would shrink all the others without any gradient to hold them."""
+    return p.dim() < 2 or "embed_tokens" in name
+
+
+def clip_scale(grad_norm: float, max_norm: float) -> float:
+    """Factor that brings the global gradient norm down to `max_norm` (1.0 if below or disabled)."""
+    if max_norm <= 0 or grad_norm <= max_norm:
+        return 1.0
+    return max_norm / (grad_norm + 1e-6)
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning rate for 0-based `step`: linear warmup over `warmup` steps, then cosine to base*min_ratio.
+
+    The first step already uses base/warmup (not 0), so no step is wasted at lr 0; the last step
+    (total - 1) uses exactly base*min_ratio.
+    """
+    if warmup > 0 and step < warmup:
+        return base_lr * (step + 1) / warmup
+    decay_steps = max(total - warmup - 1, 1)
+    progress = min(max(step - warmup, 0) / decay_steps, 1.0)
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

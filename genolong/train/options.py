@@ -1,0 +1,204 @@
+"""What a training run is told: `TrainOptions` (the loop) and `MemoryOptions` (how it saves memory).
+
+Both are plain dataclasses that round-trip through JSON (`to_dict` / `from_dict`): the run
+directory keeps `options.json` so that `--resume` rebuilds exactly the same run, and the launcher
+ships them to a worker process or a Ray actor as dicts.
+
+`MemoryOptions` is read by genolong.train.memory (recompute, offload, MoE chunking, mHC input
+precision) and by the pre-flight estimate; every optimization has its own switch so that the
+ablation table can remove one at a time, and `MemoryOptions.baseline()` removes all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from genolong.errors import GenolongError
+
+KERNEL_CHOICES = ("auto", "fused", "reference")
+LAUNCHERS = ("local", "ray")
+
+
+@dataclass
+class MemoryOptions:
+    """Memory optimizations (seed optimizations 4, 5, 7, 8 and the chunked loss head).
+
+    recompute: full-layer activation recompute (each layer keeps only its input for backward).
+    offload: move each recomputed layer's stored input to pinned host memory.
+    offload_layers: how many layers offload; None = as many as the GPU budget requires.
+    offload_pinned: pinned (page-locked) host buffers; False = pageable (slower copies; ablation).
+    offload_overlap: copies on their own CUDA streams, overlapped with compute.
+    moe_chunking: run MoE layers over the sequence in chunks of `moe_chunk_tokens` tokens.
+    mhc_low_precision: mHC mixing projection without an fp32 copy of its input.
+    chunked_loss: LM head + loss in chunks of `loss_chunk_tokens` (no [T, vocab] logits).
+    gpu_budget_gib / host_budget_gib: the pre-flight's limits; None = the device's / machine's.
+    """
+
+    recompute: bool = True
+    offload: bool = True
+    offload_layers: int | None = None
+    offload_pinned: bool = True
+    offload_overlap: bool = True
+    moe_chunking: bool = True
+    moe_chunk_tokens: int = 65536
+    mhc_low_precision: bool = True
+    chunked_loss: bool = True
+    loss_chunk_tokens: int | None = None  # None = ~1 GiB of fp32 logits per chunk (loss.auto_chunk_tokens)
+    gpu_budget_gib: float | None = None
+    host_budget_gib: float | None = None
+
+    @classmethod
+    def baseline(cls, **overrides: Any) -> MemoryOptions:
+        """The stack as it would run out of the box: every optimization off."""
+        off = {
+            "recompute": False,
+            "offload": False,
+            "offload_pinned": False,
+            "offload_overlap": False,
+            "moe_chunking": False,
+            "mhc_low_precision": False,
+            "chunked_loss": False,
+        }
+        off.update(overrides)
+        return cls(**off)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MemoryOptions:
+        return cls(**_known(cls, d))
+
+    def validate(self) -> MemoryOptions:
+        if self.offload and not self.recompute:
+            # Offload moves the per-layer input that full recompute keeps; without recompute every
+            # intermediate activation stays on the GPU and there is no single input to move.
+            raise GenolongError("--offload needs recompute (it offloads the layer inputs recompute keeps); drop --no-recompute or add --no-offload")
+        if self.offload_layers is not None and self.offload_layers < 0:
+            raise GenolongError(f"offload_layers must be >= 0, got {self.offload_layers}")
+        for name in ("moe_chunk_tokens", "loss_chunk_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise GenolongError(f"{name} must be positive, got {getattr(self, name)}")
+        return self
+
+
+@dataclass
+class TrainOptions:
+    """One fine-tuning run. Lengths are token counts (parse "512k" with genolong.units first)."""
+
+    data: str | None = None
+    out: str | None = None
+    seq_len: int = 524288
+    preset: str | None = "glm53-mini"
+    model_path: str | None = None  # a transformers-format checkpoint to start from (overrides preset)
+    steps: int = 80
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    warmup: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    batch: int = 1  # sequences per optimizer step
+    grad_accum: int = 1  # micro-batches the step's `batch` sequences are processed in
+    seed: int = 0
+    save_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    kernels: str | None = None  # None = fused on CUDA, reference on CPU (see resolve_kernels)
+    device: str | None = None  # None = cuda if available, else cpu
+    dtype: str | None = None  # None = bfloat16 on CUDA, float32 on CPU
+    split: str = "train"
+    max_n_fraction: float = 0.1
+    reverse_complement: bool = True
+    overfit: int = 0  # > 0: train repeatedly on the first `overfit` windows
+    max_nonfinite: int = 5  # stop after this many consecutive non-finite steps
+    stop_after: int | None = None  # end this invocation after N steps (checkpointed; resume later)
+    resume: bool = False  # continue the run in `out` from its latest complete checkpoint
+    launcher: str = "local"
+    ray_address: str | None = None
+    progress: bool = True
+    tensorboard: bool = True
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch // self.grad_accum
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainOptions:
+        d = _known(cls, d)
+        if isinstance(d.get("memory"), dict):
+            d["memory"] = MemoryOptions.from_dict(d["memory"])
+        return cls(**d)
+
+    def validate(self) -> TrainOptions:
+        """Reject impossible settings before anything is loaded (one line: problem, then fix)."""
+        if self.seq_len < 2:
+            raise GenolongError(f"--seq must be at least 2 tokens, got {self.seq_len}")
+        if self.steps <= 0:
+            raise GenolongError(f"--steps must be positive, got {self.steps}")
+        if self.batch <= 0 or self.grad_accum <= 0:
+            raise GenolongError(f"--batch and --grad-accum must be positive, got {self.batch} and {self.grad_accum}")
+        if self.batch % self.grad_accum:
+            raise GenolongError(
+                f"--batch {self.batch} is not divisible by --grad-accum {self.grad_accum}: the step's sequences are "
+                "split into grad-accum equal micro-batches; pick a divisor"
+            )
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise GenolongError(f"--lr must be positive and min_lr_ratio in [0, 1], got {self.lr} and {self.min_lr_ratio}")
+        if self.warmup < 0:
+            raise GenolongError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.kernels is not None and self.kernels not in KERNEL_CHOICES:
+            raise GenolongError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.launcher not in LAUNCHERS:
+            raise GenolongError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.overfit < 0 or self.save_every < 0 or self.keep_last < 1:
+            raise GenolongError("--overfit and --save-every must be >= 0 and --keep-last >= 1")
+        if self.stop_after is not None and self.stop_after <= 0:
+            raise GenolongError(f"--stop-after must be positive, got {self.stop_after}")
+        if self.max_nonfinite < 1:
+            raise GenolongError(f"max_nonfinite must be >= 1, got {self.max_nonfinite}")
+        if self.preset is None and self.model_path is None:
+            raise GenolongError("give --preset NAME (train from scratch) or --model CKPT (fine-tune a checkpoint)")
+        self.memory.validate()
+        return self
+
+
+def resolve_device(options: TrainOptions) -> str:
+    import torch
+
+    if options.device:
+        if options.device.startswith("cuda") and not torch.cuda.is_available():
+            raise GenolongError(f"--device {options.device} but no CUDA GPU is visible; use --device cpu")
+        return options.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_kernels(options: TrainOptions, device: str) -> str:
+    """The ops policy (genolong.model.ops): unset means fused (fail loudly on fallback) on CUDA and
+    reference on CPU; "auto" is the ops policy of that name (fused where it runs, both recorded)."""
+    if options.kernels is not None:
+        return options.kernels
+    return "fused" if device.startswith("cuda") else "reference"
+
+
+def resolve_dtype(options: TrainOptions, device: str):
+    import torch
+
+    name = options.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise GenolongError(f"dtype must be bfloat16 or float32, got {name!r}")
+    return table[name]
+
+
+def _known(cls, d: dict[str, Any]) -> dict[str, Any]:
+    """Drop keys this version does not know (an options.json from a newer run still resumes)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}

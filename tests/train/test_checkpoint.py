@@ -1,0 +1,98 @@
+"""Checkpoint files: atomic, verified by their manifest, pruned to the last K, RNG round trip."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from genolong.errors import GenolongError
+from genolong.train import checkpoint as ck
+
+
+def _write_model(path):
+    path.mkdir()
+    (path / "weights.bin").write_bytes(b"w" * 100)
+
+
+def _save(run, step, keep=3, write_model=_write_model):
+    return ck.save(run, step, write_model, {"step": torch.tensor(step), "m": torch.ones(3)}, {"step": step}, keep)
+
+
+def test_save_writes_manifest_last_and_latest_finds_it(tmp_path):
+    path = _save(tmp_path, 5)
+    assert path.name == "step_00000005"
+    manifest = json.loads((path / ck.COMPLETE).read_text())
+    assert manifest["step"] == 5
+    assert set(manifest["files"]) == {"model/weights.bin", ck.OPTIMIZER_FILE, ck.STATE_FILE}
+    assert ck.latest(tmp_path) == path
+    assert ck.load_trainer_state(path) == {"step": 5}
+    assert torch.equal(ck.load_optimizer_state(path)["m"], torch.ones(3))
+
+
+def test_a_save_that_dies_midway_leaves_no_checkpoint(tmp_path):
+    _save(tmp_path, 1)
+
+    def crash(path):
+        _write_model(path)
+        raise KeyboardInterrupt  # e.g. the job is killed while the weights are written
+
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 2, write_model=crash)
+    assert ck.latest(tmp_path).name == "step_00000001"
+    assert [p.name for p in (tmp_path / ck.CHECKPOINTS).iterdir()] == ["step_00000001"]
+
+
+def test_incomplete_or_damaged_directories_are_ignored(tmp_path):
+    _save(tmp_path, 1)
+    good = _save(tmp_path, 2)
+    # A directory with the right name but no manifest (e.g. copied by hand, half-way).
+    fake = tmp_path / ck.CHECKPOINTS / "step_00000009"
+    fake.mkdir()
+    (fake / ck.STATE_FILE).write_text("{}")
+    assert ck.latest(tmp_path) == good
+    # A file truncated after the checkpoint was completed: the manifest's size no longer matches.
+    (good / "model" / "weights.bin").write_bytes(b"w")
+    assert ck.latest(tmp_path).name == "step_00000001"
+
+
+def test_keep_last_prunes_oldest(tmp_path):
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, keep=2)
+    assert [p.name for p in ck.complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in (tmp_path / ck.CHECKPOINTS).iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_check_run_dir_explains_what_is_wrong(tmp_path):
+    with pytest.raises(GenolongError, match="no such directory"):
+        ck.check_run_dir(tmp_path / "nope")
+    with pytest.raises(GenolongError, match="not a genolong run"):
+        ck.check_run_dir(tmp_path)
+    (tmp_path / ck.OPTIONS_FILE).write_text("{}")
+    with pytest.raises(GenolongError, match="no complete checkpoint"):
+        ck.check_run_dir(tmp_path)
+    _save(tmp_path, 3)
+    assert ck.check_run_dir(tmp_path).name == "step_00000003"
+
+
+def test_rng_states_round_trip_through_json():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.random(), np.random.rand(), torch.rand(1), np.random.randn()  # leave a cached gaussian
+    state = json.loads(json.dumps(ck.capture_rng()))
+    want = (random.random(), np.random.randn(), float(torch.rand(1)))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    ck.restore_rng(state)
+    assert (random.random(), np.random.randn(), float(torch.rand(1))) == want
+
+
+def test_jsonable_round_trip_of_sampler_like_state():
+    state = {"pos": np.int64(7), "perm": np.arange(5, dtype=np.int32), "rng": {"s": [1, 2]}, "t": torch.tensor([3])}
+    back = ck.from_jsonable(json.loads(json.dumps(ck.to_jsonable(state))))
+    assert back["pos"] == 7 and back["rng"] == {"s": [1, 2]}
+    assert back["perm"].dtype == np.int32 and back["perm"].tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(back["t"], torch.tensor([3]))

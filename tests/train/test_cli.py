@@ -1,0 +1,86 @@
+"""`genolong finetune` on the command line: a run, its resume, and one clear line for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from genolong.cli import app
+from genolong.errors import GenolongError
+from genolong.train.metrics import read_jsonl
+from genolong.train.options import TrainOptions
+from tests.train._helpers import (
+    one_thread,  # noqa: F401  (fixture used by pytestmark)
+    prepared_genome,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["--preset", "tiny", "--seq", "64", "--device", "cpu", "--no-progress", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepared_genome(tmp_path_factory.mktemp("genome"))
+
+
+def _run(*args):
+    return CliRunner().invoke(app, ["finetune", *map(str, args)])
+
+
+def test_finetune_then_resume(data, tmp_path):
+    out = tmp_path / "run"
+    first = _run("--data", data, "--out", out, "--steps", 2, "--stop-after", 1, *TINY)
+    assert first.exit_code == 0, first.output
+    assert "step 1/2" in first.output
+    second = _run("--resume", out, "--no-progress")
+    assert second.exit_code == 0, second.output
+    assert [line["step"] for line in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_memory_flags_reach_the_options(data, tmp_path):
+    out = tmp_path / "run"
+    result = _run(
+        "--data", data, "--out", out, "--steps", 1, *TINY, "--no-recompute", "--no-moe-chunking", "--loss-chunk", "32"
+    )
+    assert result.exit_code == 0, result.output
+    options = TrainOptions.from_dict(json.loads((out / "options.json").read_text()))
+    m = options.memory
+    assert (m.recompute, m.offload, m.moe_chunking, m.chunked_loss, m.loss_chunk_tokens) == (False, False, False, True, 32)
+    base = _run("--data", data, "--out", tmp_path / "b", "--steps", 1, *TINY, "--baseline")
+    assert base.exit_code == 0, base.output
+    b = TrainOptions.from_dict(json.loads((tmp_path / "b" / "options.json").read_text())).memory
+    assert not (b.recompute or b.offload or b.moe_chunking or b.chunked_loss or b.mhc_low_precision or b.offload_pinned)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "{tmp}/missing", "--out", "{tmp}/r"], "no such directory"),
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "1M"], "--seq 1M needs windows of 1,048,577 bases"),
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "12q"], "is not a token count"),
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--preset", "glm-9"], "unknown model preset"),
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--model", "{tmp}/nockpt"], "does not exist"),
+        (["--resume", "{tmp}"], "not a genolong run"),
+        (["--out", "{tmp}/r"], "needs --data"),
+    ],
+)
+def test_bad_input_is_one_line(data, tmp_path, args, message):
+    args = [a.format(tmp=tmp_path, data=data) for a in args]
+    result = _run(*args, "--device", "cpu")
+    assert isinstance(result.exception, GenolongError), result.output
+    assert message in str(result.exception) and "\n" not in str(result.exception)
+
+
+def test_the_console_script_prints_one_line_and_exits_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "genolong", "finetune", "--data", str(tmp_path / "x"), "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("genolong: error: --data")
