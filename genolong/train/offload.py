@@ -1,0 +1,317 @@
+"""Layer inputs parked in host memory between forward and backward (seed optimization 5).
+
+With full recompute (genolong.train.recompute) each layer keeps exactly one tensor for
+backward: its input, the 4-stream mHC residual `[B, T, 4, hidden]`. torch's non-reentrant
+checkpoint saves that input through the saved-tensor machinery, so a
+`torch.autograd.graph.saved_tensors_hooks` pair placed *around* the checkpoint call sees it
+(and nothing else: the checkpoint's own hooks sit inside and take every tensor the layer saves).
+`HostOffloader.hooks(layer_idx)` is that pair:
+
+- pack (forward): copy the input into a host buffer on a dedicated device-to-host stream that
+  first waits for the tensor to be produced; the GPU tensor is released as soon as the layer loop
+  drops it (`record_stream` stops the allocator from reusing it before the copy has read it).
+- unpack (backward, when the checkpoint recomputes the layer): copy it back on a dedicated
+  host-to-device stream. Every unpack also starts the upload of the *next* layer that backward
+  will need (the nearest earlier offloaded one), so that copy overlaps this layer's recompute
+  and backward; at most one prefetched input is on the GPU at a time.
+
+Host buffers are page-locked ("pinned": the seed measured pinned copies 22% faster than
+pageable ones, and only pinned copies are truly asynchronous). They come from a pool owned by
+the offloader and registered with `cudaHostRegister` at their exact size: torch's caching host
+allocator rounds every pinned block up to a power of two, which at 512k tokens can waste half
+the host RAM that is the limit here. A buffer returns to the pool when the saved tensor that
+holds it is freed (after its backward), so `pinned_bytes()` (live offloaded data) is back to 0
+after every step and the pool (`reserved_bytes()`) stays the same size from step to step.
+
+On a machine without CUDA the same code runs with pageable buffers and plain copies, so the
+CPU tests exercise packing, the pool, prefetch order and release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from genolong.errors import GenolongError
+
+# Tensors below this size are not worth a copy (the checkpoint also saves tiny bookkeeping
+# tensors); they stay where they are.
+MIN_OFFLOAD_BYTES = 64 * 1024
+_PAGE = 4096
+
+
+@dataclass(eq=False)
+class _Buffer:
+    """One host buffer of the pool: `data` is a flat uint8 tensor of exactly `nbytes`."""
+
+    data: torch.Tensor
+    nbytes: int
+    pinned: bool
+    registered_ptr: int | None = None  # cudaHostRegister'ed base pointer, to unregister
+    backing: torch.Tensor | None = None  # the over-allocated tensor `data` is a page-aligned view of
+    # The upload that last read this buffer: the next download into it must wait for it.
+    last_read: object | None = None
+
+
+@dataclass(eq=False)
+class _Saved:
+    """What pack returns for an offloaded tensor: the host copy plus how to rebuild the tensor."""
+
+    order: int
+    layer_idx: int
+    buffer: _Buffer
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    copied: object | None = None  # event: the download has finished
+    uploaded: object | None = None  # event: the prefetched upload has finished
+    prefetched: torch.Tensor | None = None
+
+    def host_view(self) -> torch.Tensor:
+        nbytes = _nbytes(self.shape, self.dtype)
+        return self.buffer.data[:nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass(eq=False)
+class _Kept:
+    """What pack returns for a tensor that stays on the device (a layer that does not offload)."""
+
+    order: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class OffloadStats:
+    packed: int = 0  # tensors moved to the host since the last reset
+    unpacked: int = 0
+    prefetch_hits: int = 0  # unpacks whose upload had already been started by a prefetch
+    bytes_down: int = 0
+    bytes_up: int = 0
+    peak_pinned_bytes: int = 0
+    layers: set[int] = field(default_factory=set)
+
+
+class HostOffloader:
+    """Moves the checkpointed inputs of the layers in `layers` to host memory (see module doc).
+
+    layers: the layer indices whose input goes to the host (None: every layer).
+    pinned: page-locked buffers (only meaningful with CUDA); False = pageable, for the ablation.
+    overlap: copies on their own streams with prefetch; False = on the compute stream, in place.
+    host_budget_bytes: refuse to grow the pool beyond this (host RAM is the limit at 512k+).
+    """
+
+    def __init__(
+        self,
+        layers: Iterable[int] | None = None,
+        *,
+        pinned: bool = True,
+        overlap: bool = True,
+        host_budget_bytes: int | None = None,
+        min_bytes: int = MIN_OFFLOAD_BYTES,
+    ) -> None:
+        self.layers = None if layers is None else frozenset(layers)
+        self.pinned = pinned
+        self.overlap = overlap
+        self.host_budget_bytes = host_budget_bytes
+        self.min_bytes = min_bytes
+        self.stats = OffloadStats()
+        self._free: list[_Buffer] = []
+        self._all: list[_Buffer] = []
+        self._live_bytes = 0
+        self._order = 0
+        # Saved entries of the current graph in pack order, weakly: autograd owns them, and a
+        # graph dropped without backward must still free its buffers.
+        self._entries: list[weakref.ReferenceType] = []
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+    # -- what the layer runner uses -------------------------------------------------------------
+
+    def offloads(self, layer_idx: int) -> bool:
+        return self.layers is None or layer_idx in self.layers
+
+    def hooks(self, layer_idx: int) -> contextlib.AbstractContextManager:
+        """Saved-tensor hooks for one layer's checkpoint call (also for layers that keep their
+        input on the device: their unpack is what starts the prefetch of the next offloaded one)."""
+        offload = self.offloads(layer_idx)
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self._pack(t, layer_idx, offload), self._unpack
+        )
+
+    def pinned_bytes(self) -> int:
+        """Host bytes holding offloaded tensors right now (0 between steps)."""
+        return self._live_bytes
+
+    def reserved_bytes(self) -> int:
+        """Host bytes the pool holds, in use or free (pinned when `pinned` and CUDA)."""
+        return sum(b.nbytes for b in self._all)
+
+    def live_entries(self) -> int:
+        return sum(1 for ref in self._entries if ref() is not None)
+
+    def release(self) -> None:
+        """Give every free host buffer back (unpin and free); buffers in use stay."""
+        if self._streams:
+            for down, up in self._streams.values():
+                down.synchronize()
+                up.synchronize()
+        for buf in self._free:
+            _unpin(buf)
+        kept = [b for b in self._all if b not in self._free]
+        self._free = []
+        self._all = kept
+
+    def reset_stats(self) -> None:
+        """Start a step's statistics (and forget entries of graphs that are gone)."""
+        self.stats = OffloadStats(peak_pinned_bytes=self._live_bytes)
+        self._entries = [ref for ref in self._entries if ref() is not None]
+
+    # -- pack / unpack ----------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor, layer_idx: int, offload: bool):
+        order = self._order
+        self._order += 1
+        nbytes = t.numel() * t.element_size()
+        if not offload or nbytes < self.min_bytes or isinstance(t, torch.nn.Parameter) or t.device.type not in ("cuda", "cpu"):
+            entry = _Kept(order, t)
+            self._entries.append(weakref.ref(entry))
+            return entry
+        buf = self._take(nbytes, t.device)
+        saved = _Saved(order, layer_idx, buf, t.shape, t.dtype, t.device)
+        host = saved.host_view()
+        if t.device.type == "cuda" and self.overlap:
+            down, _ = self._stream_pair(t.device)
+            produced = torch.cuda.current_stream(t.device).record_event()
+            down.wait_event(produced)
+            if buf.last_read is not None:
+                down.wait_event(buf.last_read)
+            with torch.cuda.stream(down):
+                host.copy_(t, non_blocking=buf.pinned)
+                saved.copied = down.record_event()
+            # The layer loop drops `t` right after this layer; without this the allocator could
+            # hand its memory to the next layer while the copy is still reading it.
+            t.record_stream(down)
+        else:
+            host.copy_(t)
+        self._live_bytes += nbytes
+        self.stats.packed += 1
+        self.stats.bytes_down += nbytes
+        self.stats.layers.add(layer_idx)
+        self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, self._live_bytes)
+        weakref.finalize(saved, HostOffloader._give_back, weakref.ref(self), buf, nbytes)
+        self._entries.append(weakref.ref(saved))
+        return saved
+
+    def _unpack(self, entry):
+        if isinstance(entry, _Kept):
+            self._prefetch_before(entry.order)
+            return entry.tensor
+        saved: _Saved = entry
+        self.stats.unpacked += 1
+        if saved.device.type == "cuda" and self.overlap:
+            if saved.prefetched is None:
+                self._upload(saved)
+            else:
+                self.stats.prefetch_hits += 1
+            out = saved.prefetched
+            saved.prefetched = None
+            torch.cuda.current_stream(saved.device).wait_event(saved.uploaded)
+        else:
+            # A fresh tensor, never a view of the buffer: the buffer goes back to the pool.
+            out = saved.host_view().to(saved.device, copy=True)
+        self.stats.bytes_up += out.numel() * out.element_size()
+        self._prefetch_before(saved.order)
+        return out
+
+    def _upload(self, saved: _Saved) -> None:
+        """Start copying `saved` back to its device on the upload stream."""
+        _, up = self._stream_pair(saved.device)
+        compute = torch.cuda.current_stream(saved.device)
+        # Allocated on the compute stream (where it will be used and freed, so the block stays in
+        # that stream's pool); the upload stream waits until that allocation is safe to write.
+        out = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+        up.wait_event(compute.record_event())
+        if saved.copied is not None:
+            up.wait_event(saved.copied)
+        with torch.cuda.stream(up):
+            out.copy_(saved.host_view(), non_blocking=saved.buffer.pinned)
+            saved.uploaded = up.record_event()
+        out.record_stream(up)
+        saved.buffer.last_read = saved.uploaded
+        saved.prefetched = out
+
+    def _prefetch_before(self, order: int) -> None:
+        """Start the upload of the offloaded entry that backward needs next (packed just before)."""
+        for ref in reversed(self._entries):
+            entry = ref()
+            if entry is None or entry.order >= order:
+                continue
+            if isinstance(entry, _Saved):
+                if entry.device.type == "cuda" and self.overlap and entry.prefetched is None and entry.uploaded is None:
+                    self._upload(entry)
+                return
+        # Nothing earlier is offloaded: forget dead entries so the list does not grow.
+        self._entries = [ref for ref in self._entries if ref() is not None]
+
+    # -- the pool --------------------------------------------------------------------------------
+
+    def _take(self, nbytes: int, device: torch.device) -> _Buffer:
+        # Best fit among the free buffers: the same layer sizes recur every step.
+        fits = [b for b in self._free if b.nbytes >= nbytes]
+        if fits:
+            buf = min(fits, key=lambda b: b.nbytes)
+            self._free.remove(buf)
+            return buf
+        if self.host_budget_bytes is not None and self.reserved_bytes() + nbytes > self.host_budget_bytes:
+            raise GenolongError(
+                f"offload needs {_gib(self.reserved_bytes() + nbytes)} of host memory, more than the "
+                f"{_gib(self.host_budget_bytes)} host budget; offload fewer layers (--offload-layers) or shorten --seq"
+            )
+        pin = self.pinned and device.type == "cuda"
+        buf = _allocate(nbytes, pin)
+        self._all.append(buf)
+        return buf
+
+    @staticmethod
+    def _give_back(owner_ref, buf: _Buffer, nbytes: int) -> None:
+        owner = owner_ref()
+        if owner is None:
+            return
+        owner._live_bytes -= nbytes
+        owner._free.append(buf)
+
+    def _stream_pair(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return shape.numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _allocate(nbytes: int, pin: bool) -> _Buffer:
+    if not pin:
+        return _Buffer(torch.empty(nbytes, dtype=torch.uint8), nbytes, pinned=False)
+    # Page-aligned, exact-size registration (see the module docstring for why not pin_memory=True).
+    backing = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    offset = (-backing.data_ptr()) % _PAGE
+    data = backing[offset : offset + nbytes]
+    err = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), nbytes, 0))
+    if err != 0:
+        # Registration can be refused (locked-memory limits); torch's pinned allocator still works.
+        return _Buffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), nbytes, pinned=True)
+    return _Buffer(data, nbytes, pinned=True, registered_ptr=data.data_ptr(), backing=backing)
+
+
+def _unpin(buf: _Buffer) -> None:
+    if buf.registered_ptr is not None:
+        torch.cuda.cudart().cudaHostUnregister(buf.registered_ptr)
+        buf.registered_ptr = None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

@@ -1,0 +1,516 @@
+"""Memory plan: GPU and pinned-host bytes of one training step, itemised, before anything is allocated.
+
+The seed run learned the hard way that each optimization only moves the limit to the next one,
+and that host memory becomes the limit once layer inputs are offloaded (~180 GB per GPU at 1M
+tokens before context parallelism). `estimate_memory` adds up, per GPU:
+
+- static: weights, gradients and AdamW state (genolong.train.optim: bf16 parameters + fp32
+  master and moments = 16 bytes per parameter; parameters kept fp32 by the model count 12);
+- stored layer inputs: with full recompute each layer keeps its input, the 4-stream mHC
+  residual (streams x hidden per token: 4x a plain transformer's), except the offloaded layers;
+- the working set of the layer being recomputed in backward (its saved activations, plus the
+  gradients flowing in and out), or, without recompute, every layer's saved activations;
+- the loss head and the largest transient: indexer query chunk, MoE chunk, loss chunk, KDA
+  chunk states, DSA attention workspace (each bounded by its kernel's budget).
+
+Per-token activation bytes are counted from the model code, tensor by tensor (module
+`_layer_saved_items`); tests/train/test_plan.py checks them against a census of the tensors
+autograd actually saves on CPU. The estimate is of `torch.cuda.max_memory_allocated`: the CUDA
+context and allocator fragmentation are covered by `preflight`'s margin, not by the items.
+
+`n_gpus > 1` is planned as context parallelism (each GPU holds seq_len / n_gpus tokens of
+activations and offloads) with weights, gradients and optimizer state sharded n_gpus ways
+(FSDP-style); the parallel issue will implement exactly that.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from genolong.errors import GenolongError
+from genolong.model.config import LAYER_DSA, LAYER_KDA, MLP_DENSE, MLP_MOE, ModelConfig
+from genolong.model.param_count import param_count
+from genolong.train.loss import auto_chunk_tokens
+from genolong.train.options import MemoryOptions
+from genolong.units import format_length
+
+GIB = 1024**3
+H200_BYTES = int(139.8 * GIB)  # what torch.cuda reports for an H200 (143,771,877,376 bytes)
+FP32 = 4
+# Kernel budgets (genolong/kernels): the indexer's and the DSA kernel's query chunks are sized
+# to these; fla's KDA chunk is 64 tokens.
+INDEXER_BUDGET = 2 << 30
+DSA_ATTENTION_BUDGET = 2 << 30
+MOE_OP_BUDGET = 1 << 30
+KDA_CHUNK = 64
+# preflight: usable fraction of the GPU (allocator fragmentation, CUDA context, NCCL buffers)
+# and of host RAM (the process itself, the page cache of the data, the OS).
+GPU_USABLE = 0.92
+HOST_USABLE = 0.80
+GPUS_PER_HOST = 8
+
+
+@dataclass
+class MemoryEstimate:
+    seq_len: int
+    n_gpus: int
+    tokens_per_gpu: int
+    gpu: dict[str, int]  # itemised bytes per GPU
+    host: dict[str, int]  # itemised pinned host bytes per GPU
+    transients: dict[str, int]  # the candidates for "largest transient" (only the max is in gpu)
+    offload_layers: int
+    gpu_bytes: int  # the GPU's usable budget
+    host_bytes: int  # the host's usable budget per GPU
+    opts: MemoryOptions = field(repr=False, default_factory=MemoryOptions)
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.gpu_total <= self.gpu_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_total <= self.host_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    def as_dict(self) -> dict:
+        return {
+            "seq_len": self.seq_len,
+            "n_gpus": self.n_gpus,
+            "offload_layers": self.offload_layers,
+            "gpu": dict(self.gpu),
+            "host": dict(self.host),
+            "transients": dict(self.transients),
+            "gpu_total": self.gpu_total,
+            "host_total": self.host_total,
+            "gpu_bytes": self.gpu_bytes,
+            "host_bytes": self.host_bytes,
+        }
+
+
+# ------------------------------------------------------------------------------ static memory
+
+
+def _fp32_param_count(config: ModelConfig) -> int:
+    """Parameters the model keeps in fp32 whatever its dtype (genolong.model.model.FP32_PARAM_SUFFIXES)."""
+    k, m, n = config.kda, config.moe, config.mhc.num_streams
+    kda_layers = sum(t == LAYER_KDA for t in config.layer_types)
+    moe_layers = len(config.moe_layers)
+    per_kda = 3 * k.qkv_dim * k.conv_kernel + k.qkv_dim + k.num_heads  # conv, dt_bias, A_log
+    per_hc = (2 + n) * n + 3  # base, scale
+    return kda_layers * per_kda + moe_layers * m.num_experts * config.hidden + config.num_layers * 2 * per_hc
+
+
+def static_bytes(config: ModelConfig, dtype_bytes: int = 2) -> dict[str, int]:
+    """Weights, gradients, optimizer state (genolong.train.optim.MasterAdamW), whole model."""
+    counts = param_count(config)
+    total = counts.total
+    fp32 = _fp32_param_count(config) if dtype_bytes < FP32 else total
+    low = total - fp32
+    weights = low * dtype_bytes + fp32 * FP32 + counts.buffers * FP32
+    grads = low * dtype_bytes + fp32 * FP32
+    # fp32 master copy only for low-precision parameters (fp32 ones are their own master).
+    optimizer = low * FP32 + 2 * total * FP32
+    return {"weights": weights, "gradients": grads, "optimizer state": optimizer}
+
+
+def largest_param(config: ModelConfig) -> int:
+    h = config.hidden
+    candidates = [config.vocab_size * h]
+    if config.moe_layers:
+        candidates.append(config.moe.num_experts * 2 * config.moe.expert_dim * h)
+    if MLP_DENSE in config.mlp_types:
+        candidates.append(config.dense_mlp.intermediate_size * h)
+    return max(candidates)
+
+
+# ------------------------------------------------------------------------ per-token activations
+
+
+def stored_input_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """What full recompute keeps per layer: the [n_streams, hidden] residual of each token."""
+    return config.mhc.num_streams * config.hidden * dtype_bytes
+
+
+def _rmsnorm(dim: int, a: int) -> int:
+    # The fp32 copy (saved by pow and by the rsqrt multiply), the normalised value in the input
+    # dtype (saved by the weight multiply) and the output (saved by whatever reads it).
+    return FP32 * dim + 2 * a * dim
+
+
+def _hyper_connection(config: ModelConfig, a: int) -> dict[str, int]:
+    """One mHC hyper-connection's saved tensors per token (its input streams are counted by the caller)."""
+    n, iters = config.mhc.num_streams, config.mhc.sinkhorn_iters
+    outs = (2 + n) * n
+    # RMS statistic, the fp32 logits and their scaled copy; sigmoid outputs (pre, post), post,
+    # the softmax output and comb before Sinkhorn; pre in the streams' dtype for the collapse.
+    mixing = FP32 * 3 + 2 * FP32 * outs + FP32 * (3 * n + 2 * n * n) + a * n
+    # Every Sinkhorn division keeps its numerator [n, n] and denominator [n] in fp32.
+    sinkhorn = (2 * iters - 1) * FP32 * (n * n + n)
+    return {"mhc mixing": mixing, "mhc sinkhorn": sinkhorn}
+
+
+def _kda(config: ModelConfig, a: int) -> dict[str, int]:
+    k = config.kda
+    c, d, heads = k.qkv_dim, k.head_dim, k.num_heads
+    return {
+        # The depthwise conv runs in fp32 (its weight's dtype): its input and the SiLU's input.
+        "kda conv (fp32)": 2 * FP32 * 3 * c,
+        # f_a and g_a outputs; f + dt_bias and its sigmoid (fp32); beta.
+        "kda gates": 2 * a * d + 2 * FP32 * c + a * heads,
+        # What the op keeps of its inputs: q, k, v and the fp32 log decay g.
+        "kda op inputs": 3 * a * c + FP32 * c,
+        # Gated RMSNorm in fp32: x, x*rstd, weight*x*rstd, sigmoid(gate); then o_proj's input.
+        "kda out norm": 4 * FP32 * c + a * c,
+    }
+
+
+def _kda_op_internals(config: ModelConfig, a: int) -> int:
+    """fla chunk_kda's own saved tensors beyond its inputs: the q/k norms' rstd and Aqk, Akk.
+    (Its normalised q and k replace the inputs q and k it does not keep.)"""
+    heads = config.kda.num_heads
+    return 2 * FP32 * heads * KDA_CHUNK + 2 * FP32 * heads
+
+
+def _dsa(config: ModelConfig, a: int) -> dict[str, int]:
+    d = config.dsa
+    ql, kvl, heads = d.q_lora_rank, d.kv_lora_rank, d.num_heads
+    return {
+        "dsa projections": _rmsnorm(ql, a) + a * heads * d.qk_head_dim + _rmsnorm(kvl, a),
+        # absorbed q in the latent space and the op's output, then o_proj's input.
+        "dsa latent q/out": 2 * a * heads * kvl + a * heads * d.v_head_dim,
+        # The indexer's selection (int32) lives until the layer's backward has used it.
+        "dsa top-k indices": 4 * d.indexer.width,
+    }
+
+
+def _dsa_op_internals(config: ModelConfig, a: int) -> int:
+    return FP32 * config.dsa.num_heads  # the log-sum-exp per head
+
+
+def _moe(config: ModelConfig, a: int) -> dict[str, int]:
+    """MoE saved bytes per token (the routed part is per routed copy, times top_k)."""
+    m, h = config.moe, config.hidden
+    k, inter = m.top_k, m.expert_dim
+    # fp32 input copy, sigmoid scores, top-k indices (int64), the gathered and normalised weights.
+    router = FP32 * h + FP32 * m.num_experts + 8 * k + 3 * FP32 * k
+    # gathered rows, gate/up, clamp(gate), silu, clamp(up), product, expert output, the weight;
+    # the sort order and token indices (int64).
+    routed = k * (a * (2 * h + 6 * inter) + FP32 + 2 * 8)
+    shared = 6 * a * inter * m.num_shared_experts
+    return {"moe router": router, "moe routed": routed, "moe shared": shared}
+
+
+def _dense_mlp(config: ModelConfig, a: int) -> dict[str, int]:
+    return {"dense mlp": 6 * a * config.dense_mlp.intermediate_size}
+
+
+def layer_saved_items(
+    config: ModelConfig,
+    layer_idx: int,
+    dtype_bytes: int = 2,
+    moe_chunked: bool = False,
+    op_internals: bool = True,
+    mhc_fp32_input: bool = False,
+) -> dict[str, int]:
+    """Bytes per token that layer `layer_idx` saves for backward, by item, without its input.
+
+    moe_chunked: the MoE runs in checkpointed sequence chunks, so it saves nothing over the full
+    sequence (its chunk's activations are a transient, see `transients`).
+    op_internals: include what the fused KDA / DSA kernels keep beyond their inputs and outputs
+    (left out by the CPU census test, whose stand-in ops keep only those).
+    mhc_fp32_input: each hyper-connection keeps an fp32 copy of its input streams (the
+    out-of-the-box form that seed optimization 7 removed; MemoryOptions.mhc_low_precision=False).
+    """
+    a = dtype_bytes
+    h, n = config.hidden, config.mhc.num_streams
+    items: dict[str, int] = {}
+
+    def add(part: dict[str, int]) -> None:
+        for key, value in part.items():
+            items[key] = items.get(key, 0) + value
+
+    add(_hyper_connection(config, a))
+    add({"norms": _rmsnorm(h, a) * 2})
+    if config.layer_types[layer_idx] == LAYER_KDA:
+        add(_kda(config, a))
+        if op_internals:
+            add({"kda op internals": _kda_op_internals(config, a)})
+    else:
+        add(_dsa(config, a))
+        if op_internals:
+            add({"dsa op internals": _dsa_op_internals(config, a)})
+    # expand: post and comb in the streams' dtype, the sublayer's output; after the mixer also
+    # the intermediate streams, which the second hyper-connection reads.
+    add({"mixer out + streams": a * h + a * n + a * n * n + a * n * h})
+    add(_hyper_connection(config, a))
+    if config.mlp_types[layer_idx] == MLP_MOE:
+        if not moe_chunked:
+            add(_moe(config, a))
+    else:
+        add(_dense_mlp(config, a))
+    add({"mlp out": a * h + a * n + a * n * n})
+    if mhc_fp32_input and a < FP32:
+        add({"mhc fp32 input copies": 2 * FP32 * n * h})
+    return items
+
+
+def layer_saved_bytes(
+    config: ModelConfig,
+    layer_idx: int,
+    dtype_bytes: int = 2,
+    moe_chunked: bool = False,
+    op_internals: bool = True,
+    mhc_fp32_input: bool = False,
+) -> int:
+    return sum(layer_saved_items(config, layer_idx, dtype_bytes, moe_chunked, op_internals, mhc_fp32_input).values())
+
+
+# ------------------------------------------------------------------------------------ estimate
+
+
+def _host_budget_bytes(opts: MemoryOptions, n_gpus: int, host_bytes: int | None) -> int:
+    if opts.host_budget_gib is not None:
+        return int(opts.host_budget_gib * GIB)
+    total = host_bytes if host_bytes is not None else _physical_ram()
+    # GPUs share their host's RAM: up to GPUS_PER_HOST of them (an 8-GPU node) on one host.
+    return int(total * HOST_USABLE / min(n_gpus, GPUS_PER_HOST))
+
+
+def _physical_ram() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 128 * GIB
+
+
+def estimate_memory(
+    model_config: ModelConfig,
+    seq_len: int,
+    opts: MemoryOptions | None = None,
+    n_gpus: int = 1,
+    gpu_bytes: int = H200_BYTES,
+    *,
+    batch: int = 1,
+    dtype_bytes: int = 2,
+    host_bytes: int | None = None,
+    offload_layers: int | None = None,
+) -> MemoryEstimate:
+    """The itemised per-GPU estimate of one training step (module docstring).
+
+    offload_layers: override opts.offload_layers; with both None and offload on, the smallest
+    number of offloaded layers that fits `gpu_bytes * GPU_USABLE` (or opts.gpu_budget_gib).
+    """
+    config = model_config
+    opts = opts or MemoryOptions()
+    opts.validate()
+    if n_gpus < 1:
+        raise GenolongError(f"--gpus must be >= 1, got {n_gpus}")
+    a = dtype_bytes
+    tokens = batch * math.ceil(seq_len / n_gpus)
+    layers = config.num_layers
+    gpu_budget = int(opts.gpu_budget_gib * GIB) if opts.gpu_budget_gib is not None else int(gpu_bytes * GPU_USABLE)
+
+    gpu = {k: math.ceil(v / n_gpus) for k, v in static_bytes(config, a).items()}
+    stream_bytes = stored_input_bytes_per_token(config, a) * tokens
+    fp32_hc = not opts.mhc_low_precision
+    items = [layer_saved_items(config, i, a, opts.moe_chunking, mhc_fp32_input=fp32_hc) for i in range(layers)]
+    per_layer = [sum(it.values()) * tokens for it in items]
+    # Backward of a layer: its saved activations, the streams' gradient coming in and going out,
+    # and the largest single gradient the layer creates (its biggest saved activation's size).
+    biggest = [max(it.values()) * tokens for it in items]
+
+    transients = _transients(config, tokens, opts, a)
+    # The MoE chunk's activations exist only while its chunk is recomputed; the rest are
+    # kernel workspaces that come and go inside one op.
+    transient_name = max(transients, key=transients.get)
+
+    loss_items = _loss_head(config, tokens, opts, a)
+
+    if opts.recompute:
+        if offload_layers is None:
+            offload_layers = opts.offload_layers if opts.offload else 0
+        fixed = sum(gpu.values()) + transients[transient_name] + sum(loss_items.values())
+        working = [per_layer[i] + biggest[i] + 2 * stream_bytes for i in range(layers)]
+        if offload_layers is None:  # offload on, count from the budget
+            offload_layers = offload_layers_needed(fixed, stream_bytes, working, gpu_budget, overlap=opts.offload_overlap)
+        offload_layers = min(offload_layers, layers) if opts.offload else 0
+        stored, prefetch, at = recompute_peak(stream_bytes, working, offload_layers, opts.offload_overlap)
+        gpu["stored layer inputs"] = stored
+        if prefetch:
+            gpu["uploaded layer inputs"] = prefetch
+        gpu[f"layer working set (recompute, layer {at})"] = working[at]
+    else:
+        offload_layers = 0
+        # Every layer's saved activations, and each layer keeps its own input streams.
+        gpu["activations (no recompute)"] = sum(per_layer) + layers * stream_bytes
+        gpu["backward gradients"] = max(biggest) + 2 * stream_bytes
+    gpu.update(loss_items)
+    gpu[f"largest transient ({transient_name})"] = transients[transient_name]
+
+    host = {"offloaded layer inputs (pinned)" if opts.offload_pinned else "offloaded layer inputs (pageable)": offload_layers * stream_bytes}
+    return MemoryEstimate(
+        seq_len=seq_len,
+        n_gpus=n_gpus,
+        tokens_per_gpu=tokens,
+        gpu=gpu,
+        host=host,
+        transients=transients,
+        offload_layers=offload_layers,
+        gpu_bytes=gpu_budget,
+        host_bytes=_host_budget_bytes(opts, n_gpus, host_bytes),
+        opts=opts,
+    )
+
+
+def recompute_peak(stream_bytes: int, working: list[int], offloaded: int, overlap: bool = True) -> tuple[int, int, int]:
+    """(stored inputs, uploaded inputs, layer) at the backward peak under full recompute.
+
+    Backward visits the layers last to first; while layer i recomputes, the inputs of the kept
+    layers 0..i are still stored (those above i are freed), and the input of the next offloaded
+    layer below i is already being uploaded (with overlap). The first `offloaded` layers offload.
+    """
+    best = None
+    for i in range(len(working)):
+        if i >= offloaded:
+            stored = (i + 1 - offloaded) * stream_bytes
+            uploaded = stream_bytes if overlap and offloaded else 0
+        else:
+            # An offloaded layer's own input is back on the GPU, and the next one is on its way.
+            stored = 0
+            uploaded = stream_bytes * (1 + (1 if overlap and i >= 1 else 0))
+        total = stored + uploaded + working[i]
+        if best is None or total > best[0]:
+            best = (total, stored, uploaded, i)
+    return best[1], best[2], best[3]
+
+
+def offload_layers_needed(fixed: int, stream_bytes: int, working: list[int], budget: int, overlap: bool = True) -> int:
+    """Fewest (first) layers whose inputs must leave the GPU for the backward peak to fit `budget`."""
+    for n in range(len(working) + 1):
+        stored, prefetch, at = recompute_peak(stream_bytes, working, n, overlap)
+        if fixed + stored + prefetch + working[at] <= budget:
+            return n
+    return len(working)
+
+
+def _transients(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    h = config.hidden
+    if config.dsa_layers:
+        ix = config.dsa.indexer
+        pools = tokens // ix.kpool
+        full_scores = tokens * (pools * 12 + ix.topk_pools * 12 + ix.width * 8)
+        out["indexer query chunk"] = min(full_scores, INDEXER_BUDGET)
+        # The padded 576-wide q / out / dq copies of one query chunk, plus the fp32 dkv accumulator.
+        out["dsa attention workspace"] = min(tokens * config.dsa.num_heads * 576 * 2 * 5, DSA_ATTENTION_BUDGET) + FP32 * config.dsa.kv_lora_rank * tokens
+    if LAYER_KDA in config.layer_types:
+        k = config.kda
+        # fla's per-chunk states h [T/64, H, Dk, Dv] fp32, and their gradient in backward.
+        out["kda chunk states"] = 2 * FP32 * math.ceil(tokens / KDA_CHUNK) * k.num_heads * k.head_dim * k.head_dim
+    if config.moe_layers:
+        moe_per_token = sum(_moe(config, a).values())
+        if opts.moe_chunking:
+            chunk = min(tokens, opts.moe_chunk_tokens)
+            out["moe chunk"] = chunk * moe_per_token + chunk * config.moe.top_k * FP32 * h
+        else:
+            # The op's own chunk: the fp32 weighted copy of its outputs before the combine.
+            m = config.moe
+            out["moe op chunk"] = min(tokens * m.top_k * FP32 * h, MOE_OP_BUDGET)
+    return out
+
+
+def _loss_head(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int) -> dict[str, int]:
+    h, v = config.hidden, config.vocab_size
+    # final mHC mean, final RMSNorm (fp32 copies), the normed hidden saved by the loss.
+    common = tokens * (a * h + _rmsnorm(h, a) + FP32 * 2)
+    if opts.chunked_loss:
+        chunk = min(tokens, opts.loss_chunk_tokens or auto_chunk_tokens(v))
+        # One chunk's fp32 logits and their gradient, plus the fp32 weight-gradient accumulator.
+        return {"loss head": common + 2 * chunk * v * FP32 + v * h * FP32}
+    # [T, vocab] logits in the model dtype, their fp32 copy, and its gradient.
+    return {"loss head (full logits)": common + tokens * v * (a + 2 * FP32)}
+
+
+# ----------------------------------------------------------------------------------- preflight
+
+
+def fixes_for(config: ModelConfig, seq_len: int, opts: MemoryOptions, n_gpus: int, gpu_bytes: int, **kw) -> list[str]:
+    """The flag changes (one at a time, then together) under which this run would fit."""
+    candidates = [
+        ("--recompute", dict(recompute=True)),
+        ("--recompute --offload", dict(recompute=True, offload=True, offload_layers=None)),
+        ("--moe-chunking", dict(moe_chunking=True)),
+        ("--chunked-loss", dict(chunked_loss=True)),
+    ]
+    found = []
+    for flag, change in candidates:
+        if all(getattr(opts, k) == val for k, val in change.items() if k != "offload_layers"):
+            continue
+        trial = MemoryOptions.from_dict({**opts.to_dict(), **change})
+        if estimate_memory(config, seq_len, trial, n_gpus, gpu_bytes, **kw).fits:
+            found.append(flag)
+    if not found:
+        full = MemoryOptions.from_dict({**opts.to_dict(), "recompute": True, "offload": True, "offload_layers": None, "moe_chunking": True, "chunked_loss": True})
+        if estimate_memory(config, seq_len, full, n_gpus, gpu_bytes, **kw).fits:
+            found.append("the full memory stack (drop --baseline / every --no-* flag)")
+    return found
+
+
+def preflight(
+    model_config: ModelConfig,
+    seq_len: int,
+    opts: MemoryOptions,
+    n_gpus: int = 1,
+    gpu_bytes: int | None = None,
+    **kw,
+) -> MemoryEstimate:
+    """Raise GenolongError (numbers + the flags that would fit) if the step cannot fit; else the estimate."""
+    if gpu_bytes is None:
+        gpu_bytes = _device_bytes()
+    est = estimate_memory(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)
+    if est.fits:
+        return est
+    where = []
+    if not est.fits_gpu:
+        where.append(f"GPU {_gib(est.gpu_total)} > {_gib(est.gpu_bytes)} usable")
+    if not est.fits_host:
+        where.append(f"pinned host {_gib(est.host_total)} > {_gib(est.host_bytes)} usable per GPU")
+    top = sorted(est.gpu.items(), key=lambda kv: -kv[1])[:3]
+    detail = ", ".join(f"{k} {_gib(v)}" for k, v in top)
+    fixes = fixes_for(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)
+    if fixes:
+        fix = "it would fit with " + " or ".join(fixes)
+    else:
+        fix = f"no memory flag makes it fit on {n_gpus} GPU(s): shorten --seq or use more GPUs (--gpus)"
+    raise GenolongError(
+        f"{model_config.name} at {format_length(seq_len)} tokens does not fit: {'; '.join(where)} "
+        f"(largest: {detail}, {est.offload_layers} layers offloaded); {fix}; see `genolong plan`"
+    )
+
+
+def _device_bytes() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    except Exception:
+        pass
+    return H200_BYTES
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
