@@ -270,12 +270,14 @@ def prepare(
         tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     except OSError as err:
         raise _write_error(out, err) from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should not be
-    hasher = _Hasher(source.path)
-    hasher.start()
+    # Everything after mkdtemp is inside the try, so an interrupt at any point removes `tmp`.
+    hasher = None
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should not be
+        hasher = _Hasher(source.path)
+        hasher.start()
         scratch = tmp / "_records"
         scratch.mkdir()
         with _progress(progress) as bar:
@@ -308,7 +310,8 @@ def prepare(
         # Reading errors are GenolongErrors already (fasta.read_checked); this is the output side.
         raise _write_error(out, err) from None
     finally:
-        hasher.stop()
+        if hasher is not None:
+            hasher.stop()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     summary = "; ".join(

@@ -1,0 +1,148 @@
+"""`genolong eval-positional`: held-out loss by position in the window, before vs after fine-tuning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from genolong.errors import GenolongError
+from genolong.units import parse_length
+
+
+def eval_positional(
+    data: Annotated[Path, typer.Option(help="A `genolong prepare` output directory; its holdout split is scored.")],
+    checkpoint: Annotated[
+        str,
+        typer.Option(help="The fine-tuned model: a finetune run (RUN = its latest checkpoint, RUN@STEP), a run checkpoint or a model directory."),
+    ],
+    out: Annotated[Path, typer.Option(help="Output directory: positional.{csv,json,png}, summary.txt, partial.jsonl.")],
+    baseline: Annotated[
+        Optional[str],
+        typer.Option(help="The model before fine-tuning (same forms as --checkpoint). Default: the run's step 0, else the model it started from."),
+    ] = None,
+    seq: Annotated[str, typer.Option(help="Window length (tokens); holdout records are tiled into non-overlapping windows.")] = "512k",
+    bucket: Annotated[str, typer.Option(help="Position bucket width.")] = "32k",
+    control_context: Annotated[
+        str,
+        typer.Option(
+            help="Control: the same targets scored with only C..2C tokens of context; 0 = no control; "
+            "auto = 32k, or a quarter of --seq for windows under 128k."
+        ),
+    ] = "auto",
+    max_windows: Annotated[Optional[int], typer.Option(help="Score at most this many windows (the first ones in order).")] = None,
+    max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N bases.")] = 0.1,
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap replicates (resampling windows) for the 95% intervals.")] = 1000,
+    seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
+    device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda if available).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (default: bfloat16 on CUDA, float32 on CPU).")] = None,
+    kernels: Annotated[
+        Optional[str], typer.Option(help="Ops policy: fused, auto or reference (default: fused on CUDA, reference on CPU).")
+    ] = None,
+    loss_chunk: Annotated[Optional[int], typer.Option(help="Tokens per LM-head chunk (default: ~1 GiB of fp32 logits).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
+) -> None:
+    """Held-out loss binned by position in the window, before vs after fine-tuning, with a short-context control.
+
+    Tiles the holdout split into non-overlapping windows of --seq, scores every window with the
+    baseline and the checkpoint (N targets masked), and reports per --bucket the mean loss (nats
+    and bits per base), the relative change vs the baseline with 95% bootstrap intervals over
+    windows, the same at control context, and repeat vs non-repeat bases. Resumable: rerun the
+    same command after an interruption. See docs/eval.md.
+    """
+    import torch
+
+    from genolong.data import open_prepared, tile_windows
+    from genolong.eval import models
+    from genolong.eval.positional import Layout, ModelScorer
+    from genolong.eval.run import Settings, evaluate
+    from genolong.model import ops
+    from genolong.train.loss import auto_chunk_tokens, chunked_token_loss
+    from genolong.train.memory import apply_memory_optimizations
+    from genolong.train.options import MemoryOptions
+
+    seq_len = parse_length(seq, "--seq")
+    control_text = str(control_context).strip()
+    if control_text == "auto":
+        control = min(32 * 1024, seq_len // 4) or None
+    else:
+        control = None if control_text == "0" else parse_length(control_text, "--control-context")
+    layout = Layout(seq=seq_len, bucket=parse_length(bucket, "--bucket"), control=control)
+    if bootstrap < 1:
+        raise GenolongError(f"--bootstrap must be at least 1, got {bootstrap}")
+    if max_windows is not None and max_windows < 1:
+        raise GenolongError(f"--max-windows must be at least 1, got {max_windows}")
+    if not 0.0 <= max_n_fraction < 1.0:
+        raise GenolongError(f"--max-n-fraction must be in [0, 1), got {max_n_fraction}")
+    if not data.is_dir():
+        raise GenolongError(f"--data {data}: no such directory; pass the --out directory of `genolong prepare`")
+
+    resolved = {"checkpoint": models.resolve(checkpoint, "--checkpoint")}
+    resolved["baseline"] = models.resolve(baseline, "--baseline") if baseline else models.default_baseline(checkpoint)
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GenolongError(f"--device {device} but no CUDA GPU is visible; use --device cpu")
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+    dtype_name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    if dtype_name not in dtypes:
+        raise GenolongError(f"--dtype must be bfloat16 or float32, got {dtype_name!r}")
+    policy = kernels or ("fused" if dev.type == "cuda" else "reference")
+    if policy not in ops.POLICIES:
+        raise GenolongError(f"--kernels must be one of {', '.join(ops.POLICIES)}, got {policy!r}")
+    if policy != "reference":
+        import genolong.kernels
+
+        genolong.kernels.load()
+
+    pg = open_prepared(data)
+    holdout = [r for r in pg.records("holdout")] if "holdout" in pg.splits else []
+    if not holdout:
+        raise GenolongError(f"--data {data} has no holdout split; re-run genolong prepare with --holdout RECORD")
+
+    def windows():
+        return tile_windows(pg, "holdout", layout.seq, max_windows=max_windows, max_n_fraction=max_n_fraction)
+
+    if next(iter(windows()), None) is None:
+        raise GenolongError(
+            f"the holdout split of {data} has no window of {seq} with at most {max_n_fraction:.0%} N "
+            f"(records: {', '.join(f'{n} {length:,} bp' for n, length in holdout)}): use a smaller --seq or a larger --max-n-fraction"
+        )
+
+    vocab = resolved["checkpoint"].spec.architecture["vocab_size"]
+    chunk = loss_chunk or auto_chunk_tokens(vocab)
+
+    def make_scorer(role: str) -> ModelScorer:
+        model = models.load(resolved[role], dtypes[dtype_name], dev)
+        # As in training, MoE runs over the sequence in chunks: uneven real routing must not
+        # spike memory at 512k (seed optimization 8). Recompute and offload only matter with a
+        # backward pass, and there is none here.
+        apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
+        return ModelScorer(model, models.token_map_array(resolved[role].spec), chunked_token_loss, device=dev, chunk_tokens=chunk)
+
+    settings = Settings(
+        layout=layout,
+        out_dir=out,
+        max_windows=max_windows,
+        max_n_fraction=max_n_fraction,
+        n_boot=bootstrap,
+        seed=seed,
+        dtype=dtype_name.replace("bf16", "bfloat16").replace("fp32", "float32"),
+        overwrite=overwrite,
+        progress=progress,
+    )
+    # What the numbers depend on: the source genome and the holdout records, not where the directory lives.
+    data_identity = {"sha256": pg.manifest.get("source", {}).get("sha256"), "holdout": [list(r) for r in holdout]}
+    ops.reset_audit()
+    with ops.policy(policy):
+        evaluate(
+            settings,
+            {role: r.spec for role, r in resolved.items()},
+            windows,
+            make_scorer,
+            data_identity=data_identity,
+            data_path=str(Path(data).resolve()),
+        )
+    typer.echo(f"wrote {out}/positional.png, positional.csv, positional.json")

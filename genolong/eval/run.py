@@ -1,0 +1,210 @@
+"""The eval-positional job: tile, score every model on every window (resumably), aggregate, write.
+
+Models are scored one after the other, never together: only one model is in memory at a time
+(a GLM-size checkpoint and its baseline would not fit side by side), and each finished window
+is appended to the partial file before the next starts. Outputs (positional.csv,
+positional.json, positional.png, summary.txt) are written atomically at the end, from the
+partial file, so a rerun after an interruption, or with a larger --max-windows, only scores
+what is missing.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from genolong.errors import GenolongError
+from genolong.eval import report
+from genolong.eval.plot import plot_positional
+from genolong.eval.positional import Layout, ModelScorer, score_window
+from genolong.eval.store import PartialResults, write_atomic
+from genolong.model import ops
+
+ROLES = ("baseline", "checkpoint")
+
+
+class Window(Protocol):
+    tokens: np.ndarray
+    repeat_mask: np.ndarray
+    record: str
+    start: int
+    reverse: bool
+
+
+@dataclass
+class ModelSpec:
+    """One model to score: where it comes from and what it is (for the compatibility check)."""
+
+    source: str  # what the user typed
+    label: str  # short name for the plot and the summary
+    architecture: dict[str, Any]  # the model config; baseline and checkpoint must agree
+    token_map: list[int]  # model token id of each DNA id; must agree too
+    identity: dict[str, Any] = field(default_factory=dict)  # resolved path, step, weight file stamps
+
+
+@dataclass
+class Settings:
+    layout: Layout
+    out_dir: Path
+    max_windows: int | None = None
+    max_n_fraction: float = 1.0
+    n_boot: int = 1000
+    seed: int = 0
+    dtype: str = "float32"
+    overwrite: bool = False
+    progress: bool = True
+
+
+def check_compatible(specs: dict[str, ModelSpec]) -> None:
+    base, ck = specs["baseline"], specs["checkpoint"]
+    if base.token_map != ck.token_map:
+        raise GenolongError(
+            f"--baseline {base.source} and --checkpoint {ck.source} use different vocabularies (DNA bases map to "
+            f"token ids {base.token_map} vs {ck.token_map}): compare checkpoints of one model, e.g. a run's step 0 and its latest step"
+        )
+    diff = _first_diff(base.architecture, ck.architecture)
+    if diff:
+        what = "vocabularies" if diff.split(":")[0].split(".")[-1] == "vocab_size" else "architectures"
+        raise GenolongError(
+            f"--baseline {base.source} and --checkpoint {ck.source} have different {what} ({diff}): "
+            "compare checkpoints of one model, e.g. a run's step 0 and its latest step"
+        )
+
+
+# Reported first when several fields differ: the ones a person recognises a model by.
+_HEADLINE_FIELDS = ("vocab_size", "num_layers", "hidden")
+
+
+def _first_diff(a: Any, b: Any, prefix: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(set(a) | set(b), key=lambda k: (k not in _HEADLINE_FIELDS, _HEADLINE_FIELDS.index(k) if k in _HEADLINE_FIELDS else 0, str(k)))
+        for key in keys:
+            d = _first_diff(a.get(key), b.get(key), f"{prefix}{key}.")
+            if d:
+                return d
+        return None
+    return None if a == b else f"{prefix.rstrip('.')}: {_short(a)} vs {_short(b)}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("windows"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(file=sys.stderr),
+        disable=not enabled,
+    )
+
+
+def evaluate(
+    settings: Settings,
+    specs: dict[str, ModelSpec],
+    windows: Callable[[], Iterable[Window]],
+    make_scorer: Callable[[str], ModelScorer],
+    *,
+    data_identity: dict[str, Any] | None = None,
+    data_path: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> report.Results:
+    """Score, aggregate, write. `windows()` restarts the tiling; `make_scorer(role)` loads a model."""
+    layout = settings.layout
+    check_compatible(specs)
+    keys = [(w.record, int(w.start), bool(w.reverse)) for w in windows()]
+    if not keys:
+        raise GenolongError("the holdout split has no usable window: use a smaller --seq or a larger --max-n-fraction")
+
+    fingerprint = {
+        "seq": layout.seq,
+        "bucket": layout.bucket,
+        "control_context": layout.control,
+        "max_n_fraction": settings.max_n_fraction,
+        "dtype": settings.dtype,
+        "data": data_identity or {},
+        "models": {role: {"architecture": s.architecture, "token_map": s.token_map, **s.identity} for role, s in specs.items()},
+    }
+    partial = PartialResults(settings.out_dir, fingerprint, overwrite=settings.overwrite)
+
+    with _progress(settings.progress) as bar:
+        for role in ROLES:
+            todo = sum(not partial.done(role, k) for k in keys)
+            if todo == 0:
+                continue
+            scorer = make_scorer(role)
+            task = bar.add_task(f"{role} ({specs[role].label})", total=len(keys), completed=len(keys) - todo)
+            for window in _limit(windows(), len(keys)):
+                key = (window.record, int(window.start), bool(window.reverse))
+                if partial.done(role, key):
+                    continue
+                t0 = time.perf_counter()
+                score = score_window(scorer, window.tokens, window.repeat_mask, layout)
+                partial.append(role, key, score, seconds=time.perf_counter() - t0)
+                bar.advance(task)
+            del scorer
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    scores = {role: [partial.get(role, k) for k in keys] for role in ROLES}
+    meta = {
+        # Which implementation each hot op ran while scoring in this invocation (seed lesson 1:
+        # verify the kernels); empty when every window was already in the partial file.
+        "kernels": ops.audit_summary(),
+        "models": {role: {"source": s.source, "label": s.label, **s.identity} for role, s in specs.items()},
+        "data": {"path": data_path, **(data_identity or {})},
+        "max_n_fraction": settings.max_n_fraction,
+        "dtype": settings.dtype,
+        "seconds_per_window": _timing(partial, keys),
+        "n_boot": settings.n_boot,
+        "seed": settings.seed,
+    }
+    res = report.aggregate(layout, keys, scores, n_boot=settings.n_boot, seed=settings.seed, meta=meta)
+    write_outputs(res, settings.out_dir, labels={r: specs[r].label for r in ROLES})
+    echo(report.summary_text(res).rstrip("\n"))
+    return res
+
+
+def _timing(partial: PartialResults, keys: list) -> dict[str, float | None]:
+    """Mean wall seconds to score one window (full context + control), per model; None if untimed."""
+    out = {}
+    for role in ROLES:
+        times = [partial.seconds.get(role, {}).get(k) for k in keys]
+        times = [t for t in times if t is not None]
+        out[role] = sum(times) / len(times) if times else None
+    return out
+
+
+def _limit(it: Iterable[Window], n: int) -> Iterator[Window]:
+    for i, w in enumerate(it):
+        if i >= n:
+            return
+        yield w
+
+
+OUTPUT_FILES = ("positional.csv", "positional.json", "positional.png", "summary.txt")
+
+
+def write_outputs(res: report.Results, out_dir: Path, *, labels: dict[str, str]) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / "positional.csv", report.to_csv(res))
+    write_atomic(out_dir / "positional.json", report.to_json(res))
+    write_atomic(out_dir / "summary.txt", report.summary_text(res))
+    plot_positional(res, out_dir / "positional.png", labels=labels)

@@ -1,0 +1,257 @@
+"""`genolong eval-positional` end to end on CPU: prepared data, tiny GLM-architecture checkpoints.
+
+The numbers in positional.json are checked against a direct computation in this test: the
+model run on each window with full logits and F.cross_entropy, N masked, bucket means
+accumulated by hand. Bad inputs get one line on stderr and exit code 2.
+"""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genolong import cli
+from genolong.data import open_prepared, prepare
+from genolong.model import GenoLongForCausalLM, get_preset, save_pretrained
+from genolong.model.checkpoint import from_pretrained
+from genolong.train import checkpoint as ckpt_io
+from genolong.vocab import N_ID
+
+SEQ, BUCKET, CONTROL = 512, 128, 128
+
+
+def _fasta(path, rng):
+    def record(name, n, n_run=None):
+        s = np.array(list(rng.choice(list("ACGTacgt"), n)))
+        if n_run:
+            s[n_run[0] : n_run[1]] = "N"
+        seq = "".join(s)
+        return f">{name}\n" + "\n".join(seq[i : i + 70] for i in range(0, n, 70)) + "\n"
+
+    path.write_text(record("chr1", 6000) + record("chr22", 3500, (1500, 1700)) + record("chrY", 900))
+
+
+def _model(path, seed, **overrides):
+    torch.manual_seed(seed)
+    save_pretrained(GenoLongForCausalLM(get_preset("tiny", **overrides)), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evalcli")
+    _fasta(root / "g.fa", np.random.default_rng(0))
+    prepare(root / "g.fa", root / "data", train="chr1", holdout="chr22,chrY", progress=False, log=lambda _: None)
+    base = _model(root / "base", 0)
+    # A "run" whose checkpoints are step 0 (the base weights) and step 3 (other weights).
+    run = root / "run"
+    run.mkdir()
+    (run / ckpt_io.OPTIONS_FILE).write_text(json.dumps({"preset": "tiny"}))
+    for step, seed in ((0, 0), (3, 1)):
+        torch.manual_seed(seed)
+        model = GenoLongForCausalLM(get_preset("tiny"))
+        ckpt_io.save(run, step, lambda p, m=model: save_pretrained(m, p), {}, {"step": step, "dna_token_ids": None}, keep_last=5)
+    return {"root": root, "data": root / "data", "base": base, "run": run}
+
+
+def genolong(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["genolong", *map(str, args)])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def direct_full(model, tokens):
+    """Per-target losses by the plainest route: full logits, F.cross_entropy in float64."""
+    ids = torch.from_numpy(tokens.astype(np.int64))[None]
+    with torch.no_grad():
+        return F.cross_entropy(model(ids[:, :-1]).logits[0].double(), ids[0, 1:], reduction="none").numpy()
+
+
+def direct_control(model, tokens, j):
+    """Loss of target j given only tokens[s - C : j], s = start of j's control block: one forward per target."""
+    s = (j // CONTROL) * CONTROL
+    ids = torch.from_numpy(tokens[s - CONTROL : j + 1].astype(np.int64))[None]
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits[0, -1].double()
+    return F.cross_entropy(logits[None], ids[0, -1:]).item()
+
+
+ARGS = ("--seq", "512", "--bucket", "128", "--control-context", "128", "--bootstrap", "200",
+        "--max-n-fraction", "0.5", "--max-windows", "4", "--no-progress")
+
+
+def test_end_to_end_numbers_match_a_direct_computation(world, monkeypatch, capsys, tmp_path):
+    out = tmp_path / "e"
+    code, stdout, err = genolong(
+        monkeypatch, capsys, "eval-positional", "--data", world["data"], "--checkpoint", world["run"], "--out", out, *ARGS
+    )
+    assert code == 0, err
+    assert "late - early" in stdout and "long-range part" in stdout
+    doc = json.loads((out / "positional.json").read_text())
+    assert doc["meta"]["models"]["baseline"]["label"] == "run step 0"  # the default baseline: RUN@0
+    assert doc["meta"]["models"]["checkpoint"]["label"] == "run step 3"
+    # chr22 tiles at 0, 512, 1024 (36 N), 1536 (164 N): --max-windows 4 stops there; chrY is too short
+    assert [(w["record"], w["start"]) for w in doc["windows"]] == [("chr22", s) for s in (0, 512, 1024, 1536)]
+    # The kernel audit: on CPU every hot op of every layer ran its reference (tiny: 3 KDA layers, 1 DSA).
+    assert doc["meta"]["kernels"]["kda"] == {"reference": 3}
+    assert set(doc["meta"]["kernels"]["dsa_sparse_attention"]) == {"reference"}
+    partial = [json.loads(line) for line in (out / "partial.jsonl").read_text().splitlines()[1:]]
+
+    pg = open_prepared(world["data"])
+    steps = {"baseline": 0, "checkpoint": 3}
+    n_buckets = SEQ // BUCKET
+    for role, step in steps.items():
+        model = from_pretrained(world["run"] / f"checkpoints/step_{step:08d}/model", dtype=torch.float32)
+        sums, counts = np.zeros(n_buckets), np.zeros(n_buckets)
+        for w in doc["windows"]:
+            tokens, _ = pg.read("holdout", w["record"], w["start"], SEQ)
+            full = direct_full(model, tokens)
+            for j in range(1, SEQ):
+                if tokens[j] != N_ID:
+                    sums[j // BUCKET] += full[j - 1]
+                    counts[j // BUCKET] += 1
+        row = next(r for r in doc["loss_nats"] if (r["model"], r["context"], r["bases"]) == (role, "full", "all"))
+        np.testing.assert_allclose(row["value"], sums / counts, rtol=2e-5)
+        assert doc["n_tokens"]["all"] == counts.astype(int).tolist()
+
+        # Control, per target, for the last bucket of the first window (from the per-window partial file).
+        tokens, _ = pg.read("holdout", "chr22", 0, SEQ)
+        last = range(SEQ - BUCKET, SEQ)
+        expect = sum(direct_control(model, tokens, j) for j in last if tokens[j] != N_ID)
+        line = next(p for p in partial if p["model"] == role and p["start"] == 0)
+        assert sum(line["sums"][1][c][-1] for c in range(2)) == pytest.approx(expect, rel=2e-5)
+        # targets before the first control block have under C tokens of context: control == full
+        assert sum(line["sums"][1][c][0] for c in range(2)) == pytest.approx(sum(line["sums"][0][c][0] for c in range(2)))
+    for name in ("positional.csv", "positional.png", "summary.txt"):
+        assert (out / name).is_file()
+
+    # A rerun finds every window done and rewrites the same tables without loading a model.
+    before = (out / "positional.csv").read_text()
+    monkeypatch.setattr("genolong.eval.models.load", lambda *a, **k: pytest.fail("nothing left to score"))
+    code, _, err = genolong(
+        monkeypatch, capsys, "eval-positional", "--data", world["data"], "--checkpoint", world["run"], "--out", out, *ARGS
+    )
+    assert code == 0, err
+    assert (out / "positional.csv").read_text() == before
+
+
+def bad(world, tmp_path, **over):
+    args = {
+        "--data": world["data"], "--checkpoint": world["run"] / "checkpoints/step_00000003", "--baseline": world["base"],
+        "--seq": "512", "--bucket": "128", "--out": tmp_path / "e",
+    }
+    args.update(over)
+    flat = [x for k, v in args.items() if v is not None for x in (k, v)]
+    return ["eval-positional", *flat, "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        ({"--data": "nowhere"}, "--data nowhere: no such directory"),
+        ({"--checkpoint": "nowhere"}, "--checkpoint nowhere: no such file or directory"),
+        ({"--bucket": "1k"}, "--bucket 1k is larger than the window --seq 512"),
+        ({"--seq": "8k", "--bucket": "1k"}, "no record in split 'holdout'"),
+        ({"--checkpoint": "RUN@7"}, "no complete checkpoint of step 7 (steps saved: 0, 3)"),
+        ({"--baseline": "OTHER_ARCH"}, "different architectures (num_layers: 2 vs 4)"),
+        ({"--baseline": "OTHER_VOCAB"}, "use different vocabularies (DNA bases map to token ids [11, 12, 13, 14, 15] vs [0, 1, 2, 3, 4])"),
+    ],
+)
+def test_bad_input_is_one_clear_line(world, monkeypatch, capsys, tmp_path, over, needle):
+    if over.get("--checkpoint") == "RUN@7":
+        over = {"--checkpoint": f"{world['run']}@7"}
+    if over.get("--baseline") == "OTHER_ARCH":
+        over = {"--baseline": _model(tmp_path / "two_layers", 0, num_layers=2)}
+    if over.get("--baseline") == "OTHER_VOCAB":
+        # a GLM-style checkpoint: its own vocabulary, bases found through its tokenizer.json
+        path = _model(tmp_path / "vocab16", 0, vocab_size=16)
+        vocab = {tok: i for i, tok in enumerate(["<pad>", *"BDEFHIJKLM", *"ACGTN"])}
+        (path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab}}))
+        over = {"--baseline": path}
+    code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path, **over))
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("genolong: error:"), err
+    assert needle in lines[0]
+    assert not (tmp_path / "e" / "positional.json").exists()
+
+
+def test_no_usable_window(world, monkeypatch, capsys, tmp_path):
+    # The only 3k tile (chr22 at 0) overlaps the N run at 1500-1700; chrY is shorter than 3k.
+    code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path, **{"--seq": "3k", "--max-n-fraction": "0"}))
+    assert code == 2
+    assert "has no window of 3k with at most 0% N (records: chr22 3,500 bp, chrY 900 bp)" in err
+
+
+def test_every_way_of_naming_a_checkpoint(world):
+    from genolong.eval import models
+
+    run = world["run"]
+    for text, label in (
+        (str(run), "run step 3"),
+        (f"{run}@latest", "run step 3"),
+        (f"{run}@0", "run step 0"),
+        (str(run / "checkpoints/step_00000003"), "run step 3"),
+        (str(run / "checkpoints/step_00000003/model"), "run step 3"),
+        (str(world["base"]), "base"),
+    ):
+        resolved = models.resolve(text, "--checkpoint")
+        assert resolved.spec.label == label, text
+        assert (resolved.model_dir / "config.json").is_file()
+        assert resolved.spec.token_map == [0, 1, 2, 3, 4]
+    # the default baseline of a run is its step 0
+    assert models.default_baseline(str(run)).spec.label == "run step 0"
+
+
+def test_default_baseline_without_step_0(world, tmp_path):
+    from genolong.errors import GenolongError
+    from genolong.eval import models
+
+    run = tmp_path / "later"
+    run.mkdir()
+    model = GenoLongForCausalLM(get_preset("tiny"))
+    ckpt_io.save(run, 5, lambda p: save_pretrained(model, p), {}, {"step": 5, "dna_token_ids": None}, keep_last=1)
+    (run / ckpt_io.OPTIONS_FILE).write_text(json.dumps({"preset": None, "model_path": str(world["base"])}))
+    assert models.default_baseline(str(run)).model_dir == world["base"]  # the model the run started from
+    (run / ckpt_io.OPTIONS_FILE).write_text(json.dumps({"preset": "tiny", "model_path": None}))
+    with pytest.raises(GenolongError, match="--baseline is needed: run .* started from preset 'tiny'"):
+        models.default_baseline(str(run))
+    with pytest.raises(GenolongError, match="--baseline is needed"):
+        models.default_baseline(str(world["base"]))
+
+
+def test_interrupted_run_resumes_to_the_same_tables(world, monkeypatch, capsys, tmp_path):
+    import genolong.eval.run as run_mod
+
+    args = ("eval-positional", "--data", world["data"], "--checkpoint", world["run"], *ARGS)
+    code, _, err = genolong(monkeypatch, capsys, *args, "--out", tmp_path / "whole")
+    assert code == 0, err
+
+    real = run_mod.score_window
+    calls = {"n": 0}
+
+    def dies_on_the_sixth(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 6:  # the checkpoint's second window (the baseline scored 4)
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(run_mod, "score_window", dies_on_the_sixth)
+    code, _, err = genolong(monkeypatch, capsys, *args, "--out", tmp_path / "cut")
+    assert code == 130, err
+    assert not (tmp_path / "cut" / "positional.json").exists()
+    monkeypatch.setattr(run_mod, "score_window", real)
+
+    scored = []
+    monkeypatch.setattr(run_mod, "score_window", lambda *a, **k: scored.append(1) or real(*a, **k))
+    code, _, err = genolong(monkeypatch, capsys, *args, "--out", tmp_path / "cut")
+    assert code == 0, err
+    assert len(scored) == 3  # only the checkpoint's windows 2-4
+    assert (tmp_path / "cut" / "positional.csv").read_text() == (tmp_path / "whole" / "positional.csv").read_text()

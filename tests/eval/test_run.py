@@ -1,0 +1,137 @@
+"""The eval job with stand-in models: outputs, resume after an interruption, refusals."""
+
+import json
+
+import numpy as np
+import pytest
+
+from genolong.errors import GenolongError
+from genolong.eval.positional import Layout
+from genolong.eval.run import Settings, evaluate
+from genolong.eval.store import PARTIAL_NAME
+from tests.eval.standins import GRULM, make_windows, scorer, spec
+
+SEQ = 256
+
+
+def run(out, windows, models=None, specs=None, layout=None, **kw):
+    models = models or {"baseline": GRULM(0), "checkpoint": GRULM(1)}
+    specs = specs or {"baseline": spec(), "checkpoint": spec()}
+    settings = Settings(layout or Layout(SEQ, 64, 64), out, n_boot=200, progress=False, **kw)
+    lines = []
+    res = evaluate(settings, specs, lambda: iter(windows), lambda role: scorer(models[role]), echo=lines.append)
+    return res, models, "\n".join(lines)
+
+
+def test_outputs_and_summary(tmp_path):
+    windows = make_windows(5, SEQ)
+    res, _, text = run(tmp_path / "e", windows)
+    out = tmp_path / "e"
+    for name in ("positional.csv", "positional.json", "positional.png", "summary.txt"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "positional.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out / "positional.json").read_text())
+    assert doc["bucket_edges"] == [0, 64, 128, 192, 256]
+    assert len(doc["windows"]) == 5
+    assert doc["summary"]["n_tokens"] == sum(int((w.tokens[1:] != 4).sum()) for w in windows)
+    rows = (out / "positional.csv").read_text().splitlines()
+    # 2 models x 2 contexts x 3 base classes x 4 buckets + header
+    assert len(rows) == 1 + 2 * 2 * 3 * 4
+    assert "late - early" in text and "long-range part" in text
+    assert (out / "summary.txt").read_text().strip() == text.strip()
+    # relative change = (checkpoint - baseline) / baseline, bucket by bucket
+    base = res.loss[("baseline", "full", "all")].value
+    ck = res.loss[("checkpoint", "full", "all")].value
+    assert np.allclose(res.rel[("full", "all")].value, ck / base - 1)
+
+
+def test_resume_after_interruption_scores_only_missing_windows(tmp_path):
+    windows = make_windows(6, SEQ)
+    reference, _, _ = run(tmp_path / "ref", windows)
+
+    class Boom(Exception):
+        pass
+
+    def interrupted():
+        for i, w in enumerate(windows):
+            if i == 4:
+                raise Boom
+            yield w
+
+    # Calls of windows(): 1 lists the keys, 2 is the baseline pass (completes), 3 is the
+    # checkpoint pass, which dies after 4 windows.
+    calls = {"n": 0}
+
+    def windows_fn():
+        calls["n"] += 1
+        return iter(windows) if calls["n"] <= 2 else interrupted()
+
+    models = {"baseline": GRULM(0), "checkpoint": GRULM(1)}
+    settings = Settings(Layout(SEQ, 64, 64), tmp_path / "e", n_boot=200, progress=False)
+    with pytest.raises(Boom):
+        evaluate(settings, {"baseline": spec(), "checkpoint": spec()}, windows_fn, lambda r: scorer(models[r]), echo=print)
+    assert not (tmp_path / "e" / "positional.csv").exists()  # nothing final before the end
+    lines = (tmp_path / "e" / PARTIAL_NAME).read_text().splitlines()
+    assert len(lines) == 1 + 6 + 4
+    # A torn last line, as from a kill during the write, is dropped.
+    with open(tmp_path / "e" / PARTIAL_NAME, "a") as f:
+        f.write('{"kind": "window", "model": "checkp')
+
+    res, fresh, _ = run(tmp_path / "e", windows)
+    assert fresh["baseline"].calls == 0
+    # 2 windows left for the checkpoint, each: 1 full pass + 2 control blocks (128-192, 192-256)
+    assert fresh["checkpoint"].calls == 2 * 3
+    assert (tmp_path / "e" / "positional.csv").read_text() == (tmp_path / "ref" / "positional.csv").read_text()
+
+    # And a third run with everything done scores nothing and gives the same tables.
+    _, again, _ = run(tmp_path / "e", windows)
+    assert again["baseline"].calls == again["checkpoint"].calls == 0
+
+
+def test_more_windows_extend_a_finished_run(tmp_path):
+    windows = make_windows(6, SEQ)
+    run(tmp_path / "e", windows[:3])
+    _, models, _ = run(tmp_path / "e", windows)
+    assert models["baseline"].calls == 3 * 3
+
+
+def test_partial_from_other_settings_is_refused(tmp_path):
+    windows = make_windows(2, SEQ)
+    run(tmp_path / "e", windows)
+    with pytest.raises(GenolongError, match="different evaluation.*bucket") as err:
+        run(tmp_path / "e", windows, layout=Layout(SEQ, 32, 64))
+    assert "--overwrite" in str(err.value)
+    run(tmp_path / "e", windows, layout=Layout(SEQ, 32, 64), overwrite=True)
+
+
+@pytest.mark.parametrize(
+    ("other", "word"),
+    [({"kind": "gru", "layers": 2}, "architectures"), ({"kind": "gru", "vocab_size": 154880}, "vocabularies")],
+)
+def test_models_of_different_architectures_or_vocabularies_are_refused(tmp_path, other, word):
+    specs = {"baseline": spec("a"), "checkpoint": spec("b", **{k: v for k, v in other.items() if k != "kind"})}
+    with pytest.raises(GenolongError, match=word) as err:
+        run(tmp_path / "e", make_windows(2, SEQ), specs=specs)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "e").exists()
+
+
+def test_different_token_maps_are_refused(tmp_path):
+    specs = {"baseline": spec("a"), "checkpoint": spec("b")}
+    specs["checkpoint"].token_map = [65, 67, 71, 84, 78]
+    with pytest.raises(GenolongError, match="vocabularies"):
+        run(tmp_path / "e", make_windows(2, SEQ), specs=specs)
+
+
+def test_no_usable_window_is_refused(tmp_path):
+    with pytest.raises(GenolongError, match="no usable window"):
+        run(tmp_path / "e", [])
+
+
+def test_without_control(tmp_path):
+    res, _, text = run(tmp_path / "e", make_windows(3, SEQ), layout=Layout(SEQ, 64, None))
+    rows = (tmp_path / "e" / "positional.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 1 * 3 * 4 and all(",full," in r for r in rows[1:])
+    assert "long-range" not in text
+    doc = json.loads((tmp_path / "e" / "positional.json").read_text())
+    assert doc["control_context"] is None and "long_range_late" not in doc["summary"]
