@@ -3,7 +3,7 @@
 Why one process: on a fresh GPU machine the first step compiles and autotunes every kernel
 (~200 s for glm53-mini, benchmarks/RESULTS.md "## finetune"); separate `finetune` and
 `eval-positional` processes pay it again each time, which does not fit one device call.
-Same data as run_gpu.sh: E. coli 536 from the bundled genome, its first 3.8 Mb to train on and
+Data: E. coli 536 from the bundled genome, its first 3.8 Mb to train on and
 the remaining 1.14 Mb held out (real DNA; an interval split, acceptable for a tool check).
 
     source .device/activate.sh && python3 benchmarks/eval_gpu/one_process.py WORK_DIR OUT_DIR

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("pipelines/demo.sh", "pipelines/hg38_512k.sh", "benchmarks/eval_gpu/run_gpu.sh")
+SCRIPTS = ("pipelines/demo.sh", "pipelines/hg38_512k.sh")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
