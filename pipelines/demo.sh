@@ -45,12 +45,10 @@ if [ ! -d "$SHORT/checkpoints" ]; then
 fi
 
 # The stage-1 model as a model directory that `finetune --model` and `eval-positional --baseline`
-# take. finetune --model maps bases through the checkpoint's tokenizer.json; a DNA-vocabulary
-# model gets one that spells out genolong's own ids (A=0, C=1, G=2, T=3, N=4).
+# take (a transformers-format checkpoint; its tokenizer.json maps bases to genolong's DNA ids).
 if [ ! -f "$BASE/config.json" ]; then
     rm -rf "$BASE.tmp"
     cp -r "$(ls -d "$SHORT"/checkpoints/step_* | tail -n 1)/model" "$BASE.tmp"
-    .venv/bin/python -c 'import json, sys; json.dump({"version": "1.0", "model": {"type": "WordLevel", "vocab": {b: i for i, b in enumerate("ACGTN")}, "unk_token": "N"}}, open(sys.argv[1], "w"))' "$BASE.tmp/tokenizer.json"
     mv "$BASE.tmp" "$BASE"
 fi
 

@@ -64,9 +64,6 @@ else
     if [ ! -f "$BASELINE/config.json" ]; then
         rm -rf "$BASELINE.tmp"
         cp -r "$STAGE1/checkpoints/$(printf 'step_%08d' "$STAGE1_STEPS")/model" "$BASELINE.tmp"
-        # finetune --model maps bases through the checkpoint's tokenizer.json; a DNA-vocabulary model
-        # gets one that spells out genolong's own ids (A=0, C=1, G=2, T=3, N=4).
-        .venv/bin/python -c 'import json, sys; json.dump({"version": "1.0", "model": {"type": "WordLevel", "vocab": {b: i for i, b in enumerate("ACGTN")}, "unk_token": "N"}}, open(sys.argv[1], "w"))' "$BASELINE.tmp/tokenizer.json"
         mv "$BASELINE.tmp" "$BASELINE"
     fi
     START=(--model "$BASELINE")

@@ -67,7 +67,6 @@ init = work / "init"
 if not (init / "config.json").exists():
     torch.manual_seed(0)
     save_pretrained(GenoLongForCausalLM(get_preset(preset)), init)
-    (init / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {b: i for i, b in enumerate("ACGTN")}, "unk_token": "N"}}))
 stamp(f"initial {preset} saved: {init}")
 
 records = train(TrainOptions(data=str(data), out=str(work / "run"), seq_len=parse_length(env("TRAIN_SEQ", "32k")),

@@ -37,6 +37,8 @@ from safetensors.torch import save_file
 from genolong.errors import GenolongError
 from genolong.model import fp8, hf_config
 from genolong.model.config import ModelConfig
+from genolong.model.vocab import dna_tokenizer
+from genolong.vocab import DNA_MODEL_VOCAB_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -409,6 +411,9 @@ def save_pretrained(
         if len(shards) > 1:
             body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+        if model.config.vocab_size == DNA_MODEL_VOCAB_SIZE:
+            # A DNA-vocabulary model (never a GLM checkpoint) carries its own base-to-id mapping.
+            (tmp / "tokenizer.json").write_text(json.dumps(dna_tokenizer()) + "\n", encoding="utf-8")
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.rename(path, old / "ckpt")

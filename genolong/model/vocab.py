@@ -96,3 +96,13 @@ def map_dna_ids(dna_ids: torch.Tensor, mapping: torch.Tensor) -> torch.Tensor:
             "the input is not genolong DNA data"
         )
     return mapping.to(dna_ids.device)[dna_ids.long()]
+
+
+def dna_tokenizer() -> dict:
+    """A minimal tokenizer.json for a DNA-vocabulary model: each base maps to its genolong id.
+
+    save_pretrained writes it beside such a model, so that a genolong-trained checkpoint can be
+    fine-tuned further (`finetune --model`) or evaluated through the same base-to-id mapping as a
+    GLM checkpoint, with no special case.
+    """
+    return {"version": "1.0", "model": {"type": "WordLevel", "vocab": {b: i for i, b in enumerate(DNA_BASES)}, "unk_token": "N"}}

@@ -66,3 +66,18 @@ def test_corrupt_json_and_non_dna_ids_are_refused(tmp_path):
         checkpoint_base_ids(tmp_path)
     with pytest.raises(GenolongError, match="DNA id 7"):
         map_dna_ids(torch.tensor([0, 7]), torch.arange(5))
+
+
+def test_saved_dna_model_carries_a_tokenizer_mapping_bases_to_their_ids(tmp_path):
+    """A genolong-trained DNA checkpoint can be fine-tuned again (`--model`) with no extra file."""
+    import torch as _torch
+
+    from genolong.model import GenoLongForCausalLM, get_preset
+    from genolong.model.checkpoint import save_pretrained
+    from genolong.model.vocab import dna_to_checkpoint_ids
+    from genolong.vocab import DNA_VOCAB
+
+    _torch.manual_seed(0)
+    save_pretrained(GenoLongForCausalLM(get_preset("tiny")), tmp_path / "ckpt")
+    mapping = dna_to_checkpoint_ids(tmp_path / "ckpt")
+    assert mapping.tolist() == [DNA_VOCAB[b] for b in "ACGTN"]
