@@ -1,10 +1,6 @@
 """Shared set-up for the training tests: a small prepared genome and tiny-model options."""
 
-import os
 from pathlib import Path
-
-import pytest
-import torch
 
 from genolong.data import prepare
 from genolong.data.synthetic import write_fasta
@@ -39,19 +35,3 @@ def tiny_options(data: Path, out: Path, **changes) -> TrainOptions:
     }
     fields.update(changes)
     return TrainOptions(**fields)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One intra-op thread (here and in spawned workers) for the tiny model's small ops: on a
-    2-core machine a second thread gains nothing, and when the cores are shared, OpenMP threads
-    spin-waiting on each other made these tests 5x slower. Restored after the module."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    torch.set_num_threads(threads)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = env

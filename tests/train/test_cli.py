@@ -11,19 +11,10 @@ from genolong.cli import app
 from genolong.errors import GenolongError
 from genolong.train.metrics import read_jsonl
 from genolong.train.options import TrainOptions
-from tests.train._helpers import (
-    one_thread,  # noqa: F401  (fixture used by pytestmark)
-    prepared_genome,
-)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["--preset", "tiny", "--seq", "64", "--device", "cpu", "--no-progress", "--warmup", "1"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return prepared_genome(tmp_path_factory.mktemp("genome"))
 
 
 def _run(*args):

@@ -7,18 +7,9 @@ from genolong.train import launch as launch_mod
 from genolong.train.launch import launch
 from genolong.train.loop import check_inputs
 from genolong.train.metrics import read_jsonl
-from tests.train._helpers import (
-    one_thread,  # noqa: F401  (fixture used by pytestmark)
-    prepared_genome,
-    tiny_options,
-)
+from tests.train._helpers import tiny_options
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return prepared_genome(tmp_path_factory.mktemp("genome"))
 
 
 def test_local_worker_process_runs_the_loop(data, tmp_path):

@@ -11,18 +11,9 @@ from genolong.errors import GenolongError
 from genolong.train import loop
 from genolong.train.metrics import read_jsonl
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
-from tests.train._helpers import (
-    one_thread,  # noqa: F401  (fixture used by pytestmark)
-    prepared_genome,
-    tiny_options,
-)
+from tests.train._helpers import tiny_options
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return prepared_genome(tmp_path_factory.mktemp("genome"))
 
 
 # ------------------------------------------------------------------------------ optimizer
