@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="16k,64k,128k,256k,512k")
     ap.add_argument("--indexer-extra", default="1M", help="lengths at which only the fused indexer runs")
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--no-indexer", action="store_true", help="skip the indexer cases (benchmarks/bench_indexer.py has them)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     kernels.load()
@@ -191,17 +192,18 @@ def main() -> None:
         w = torch.randn(1, seq, ic.n_heads, device=DEV) * ic.n_heads**-0.5
         kw = dict(kpool=ic.kpool, topk_pools=ic.topk_pools, always_select_tail=ic.always_select_tail, softmax_scale=ic.head_dim**-0.5)
         fused = ops.implementations("dsa_indexer_topk")["triton_two_pass"]
-        bench.record(size, "indexer fused (two-pass, G=8)", lambda: fused(q, keys, w, **kw), reps)
-        if seq >= 262144 and not only_indexer:
+        if not args.no_indexer:
+            bench.record(size, "indexer fused (two-pass, G=8)", lambda: fused(q, keys, w, **kw), reps)
+        if seq >= 262144 and not only_indexer and not args.no_indexer:
             bench.record(size, "indexer fused (two-pass, G=4)",
                          lambda: indexer_topk.indexer_two_pass(q, keys, w, group=4, group_max=indexer_triton.group_max,
                                                                candidate_scores=indexer_triton.candidate_scores, **kw), reps)
-        if seq == max(SIZES[x] for x in args.sizes.split(",")):
+        if seq == max(SIZES[x] for x in args.sizes.split(",")) and not args.no_indexer:
             for upto, label in ((1, "pass 1"), (2, "pass 1 + top groups"), (3, "... + pass 2"), (4, "... + final top-k")):
                 bench.record(size, f"indexer fused stages: {label}",
                              lambda: indexer_stages(q, keys, w, kpool=ic.kpool, topk_pools=ic.topk_pools,
                                                     scale=ic.head_dim**-0.5, upto=upto), reps)
-        if not only_indexer:
+        if not only_indexer and not args.no_indexer:
             bench.record(size, "indexer plain chunked PyTorch (8k queries)",
                          lambda: baseline_indexer(q, keys, w, kpool=ic.kpool, topk_pools=ic.topk_pools, scale=ic.head_dim**-0.5),
                          2 if seq >= 262144 else reps)

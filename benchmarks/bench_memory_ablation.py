@@ -268,7 +268,7 @@ def run_driver(args) -> int:
     start = time.monotonic()
     while remaining:
         left = args.budget_s - (time.monotonic() - start)
-        cmd = [sys.executable, __file__, "--worker", "--configs", ",".join(remaining), "--budget-s", str(int(left)),
+        cmd = [sys.executable, __file__, "--worker", "--configs=" + ",".join(remaining), "--budget-s", str(int(left)),
                "--preset", args.preset, "--out", args.out, "--kernels", args.kernels, "--host-budget-gib", str(args.host_budget_gib)]
         if args.data:
             cmd += ["--data", args.data]

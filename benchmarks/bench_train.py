@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         save()
 
     # 1b. what each layer kind saves for backward with the fused kernels, beside the plan's count
-    if left() > 60:
+    if args.census_seq and left() > 60:
         results["census"] = census(bench, parse_length(args.census_seq))
         save()
 

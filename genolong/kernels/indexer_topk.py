@@ -119,23 +119,27 @@ def candidate_scores_torch(q, keys, w, t, gidx, gval, *, kpool: int, scale: floa
     return s.masked_fill(~ok, float("-inf"))
 
 
-def select_two_pass(q, keys, w, t, *, kpool, topk_pools, scale, group, group_max, candidate_scores):
-    """Top pools [n, topk] (-1 = none) of queries t through group maxima and candidate rescoring."""
+def select_two_pass(q, keys, w, t, *, kpool, topk_pools, scale, group, group_max, candidate_scores, sorted_topk=False):
+    """Top pools [n, topk] (-1 = none) of queries t through group maxima and candidate rescoring.
+
+    The selection is a set (attention does not depend on the order of its keys), so both top-k
+    calls skip sorting their results unless `sorted_topk` (kept for the benchmark's comparison)."""
     if keys.shape[0] == 0:
         return torch.full((q.shape[0], 0), -1, dtype=torch.long, device=q.device)
     gmax = group_max(q, keys, w, t, kpool=kpool, scale=scale, group=group)
     kg = min(topk_pools, gmax.shape[1])
     if kg == 0:
         return torch.full((q.shape[0], 0), -1, dtype=torch.long, device=q.device)
-    top_groups = gmax.topk(kg, dim=-1)
+    top_groups = gmax.topk(kg, dim=-1, sorted=sorted_topk)
     cand = candidate_scores(q, keys, w, t, top_groups.indices, top_groups.values, kpool=kpool, scale=scale, group=group)
-    top = cand.topk(min(topk_pools, cand.shape[1]), dim=-1)
+    top = cand.topk(min(topk_pools, cand.shape[1]), dim=-1, sorted=sorted_topk)
     pools = top_groups.indices.gather(1, top.indices // group) * group + top.indices % group
     return pools.masked_fill(top.values == float("-inf"), -1)
 
 
 def indexer_two_pass(index_q, pool_keys, head_weights, *, kpool, topk_pools, always_select_tail, softmax_scale,
-                     group=GROUP, budget_bytes=BUDGET_BYTES, group_max=group_max_torch, candidate_scores=candidate_scores_torch):
+                     group=GROUP, budget_bytes=BUDGET_BYTES, group_max=group_max_torch, candidate_scores=candidate_scores_torch,
+                     sorted_topk=False):
     batch, seq, heads, _ = index_q.shape
     n_pools = pool_keys.shape[1]
     width = out_width(kpool, topk_pools, always_select_tail)
@@ -150,7 +154,7 @@ def indexer_two_pass(index_q, pool_keys, head_weights, *, kpool, topk_pools, alw
             visible = min(n_pools, t1 // kpool)
             pools = select_two_pass(index_q[b, t0:t1], pool_keys[b, :visible], head_weights[b, t0:t1], t, kpool=kpool,
                                     topk_pools=topk_pools, scale=softmax_scale, group=group,
-                                    group_max=group_max, candidate_scores=candidate_scores)
+                                    group_max=group_max, candidate_scores=candidate_scores, sorted_topk=sorted_topk)
             out[b, t0:t1] = expand_pools(pools, t, kpool=kpool, topk_pools=topk_pools, always_select_tail=always_select_tail)
     return out
 

@@ -42,6 +42,7 @@ FP32 = 4
 # Kernel budgets (genolong/kernels): the indexer's and the DSA kernel's query chunks are sized
 # to these; fla's KDA chunk is 64 tokens.
 INDEXER_BUDGET = 2 << 30
+INDEXER_GROUP = 8  # pools per group in the fused indexer's first pass
 DSA_ATTENTION_BUDGET = 2 << 30
 MOE_OP_BUDGET = 1 << 30
 KDA_CHUNK = 64
@@ -326,7 +327,8 @@ def estimate_memory(
     gpu = {k: math.ceil(v / n_gpus) for k, v in static_bytes(config, a).items()}
     stream_bytes = stored_input_bytes_per_token(config, a) * tokens
     fp32_hc = not opts.mhc_low_precision
-    items = [layer_saved_items(config, i, a, opts.moe_chunking, mhc_fp32_input=fp32_hc) for i in range(layers)]
+    moe_chunked = moe_chunks_checkpointed(tokens, opts)
+    items = [layer_saved_items(config, i, a, moe_chunked, mhc_fp32_input=fp32_hc) for i in range(layers)]
     per_layer = [sum(it.values()) * tokens for it in items]
     # Backward of a layer: its saved activations, the streams' gradient coming in and going out,
     # and the largest single gradient the layer creates (its biggest saved activation's size).
@@ -406,14 +408,25 @@ def offload_layers_needed(fixed: int, stream_bytes: int, working: list[int], bud
     return len(working)
 
 
+def moe_chunks_checkpointed(tokens: int, opts: MemoryOptions) -> bool:
+    """Whether the MoE runs as checkpointed chunks at this many tokens per GPU: only when the
+    sequence is longer than one chunk (genolong.train.memory runs a single chunk as the plain
+    MoE, which saves its activations like any layer; the H200 ablation without recompute at 32k
+    measured those 35 GiB when the plan still assumed chunking)."""
+    return opts.moe_chunking and tokens > opts.moe_chunk_tokens
+
+
 def _transients(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int) -> dict[str, int]:
     out: dict[str, int] = {}
     h = config.hidden
     if config.dsa_layers:
         ix = config.dsa.indexer
         pools = tokens // ix.kpool
-        full_scores = tokens * (pools * 12 + ix.topk_pools * 12 + ix.width * 8)
-        out["indexer query chunk"] = min(full_scores, INDEXER_BUDGET)
+        # The fused two-pass path's per-query bytes (genolong.kernels.indexer_topk.indexer_two_pass:
+        # group maxima and their top-k copy, candidate scores, top-k values/indices, outputs).
+        groups = -(-pools // INDEXER_GROUP)
+        per_query = groups * 8 + ix.topk_pools * (INDEXER_GROUP * 4 + 24) + ix.width * 8
+        out["indexer query chunk"] = min(tokens * per_query, INDEXER_BUDGET)
         # The padded 576-wide q / out / dq copies of one query chunk, plus the fp32 dkv accumulator.
         out["dsa attention workspace"] = min(tokens * config.dsa.num_heads * 576 * 2 * 5, DSA_ATTENTION_BUDGET) + FP32 * config.dsa.kv_lora_rank * tokens
     if LAYER_KDA in config.layer_types:
@@ -422,8 +435,8 @@ def _transients(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int) -
         out["kda chunk states"] = 2 * FP32 * math.ceil(tokens / KDA_CHUNK) * k.num_heads * k.head_dim * k.head_dim
     if config.moe_layers:
         moe_per_token = sum(_moe(config, a).values())
-        if opts.moe_chunking:
-            chunk = min(tokens, opts.moe_chunk_tokens)
+        if moe_chunks_checkpointed(tokens, opts):
+            chunk = opts.moe_chunk_tokens
             out["moe chunk"] = chunk * moe_per_token + chunk * config.moe.top_k * FP32 * h
         else:
             # The op's own chunk: the fp32 weighted copy of its outputs before the combine.

@@ -128,7 +128,8 @@ def test_kda_fla_outputs_and_gradients():
     dout = torch.randn(b, t, h, d, device=DEV).bfloat16()
 
     def run(fn, dtype):
-        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
+        # detach(): fresh leaves per run (g is fp32 already, so .to() alone would hand back g itself).
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
         out = fn(*leaves)
         out.backward(dout.to(dtype))
         return [out] + [x.grad for x in leaves]

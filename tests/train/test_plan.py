@@ -140,6 +140,54 @@ def test_layer_activation_bytes_match_a_census_of_saved_tensors(fused_stand_ins)
         assert planned == pytest.approx(measured, rel=0.05), (idx, planned, measured)
 
 
+@pytest.mark.parametrize("chunk_tokens", [512, 64])
+def test_moe_chunking_saves_what_the_plan_says_at_and_below_one_chunk(fused_stand_ins, chunk_tokens):
+    # memory.py checkpoints MoE chunks only when the sequence is longer than one chunk; a single
+    # chunk runs as the plain MoE and saves its activations. The plan must count the same (the
+    # H200 ablation without recompute at 32k, below the 64k default chunk, caught it assuming
+    # chunking: 100 GiB planned, 135 GiB measured).
+    from genolong.train.memory import apply_memory_optimizations
+    from genolong.train.plan import moe_chunks_checkpointed
+
+    config = get_preset("tiny")
+    torch.manual_seed(0)
+    model = GenoLongForCausalLM(config, dtype=torch.bfloat16)
+    opts = MemoryOptions(recompute=False, offload=False, moe_chunking=True, moe_chunk_tokens=chunk_tokens)
+    handle = apply_memory_optimizations(model, opts)
+    seq, idx = 256, 3  # layer 3: DSA + MoE
+    layer = model.model.layers[idx]
+    streams = torch.randn(1, seq, config.mhc.num_streams, config.hidden, dtype=torch.bfloat16, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers(), streams]}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(streams)
+    handle.remove()
+    measured = sum(saved.values()) / seq
+    chunked = moe_chunks_checkpointed(seq, opts)
+    assert chunked == (seq > chunk_tokens)
+    planned = layer_saved_bytes(config, idx, dtype_bytes=2, moe_chunked=chunked, op_internals=False)
+    unchunked = layer_saved_bytes(config, idx, dtype_bytes=2, moe_chunked=False, op_internals=False)
+    assert planned == pytest.approx(measured, rel=0.05), (chunk_tokens, planned, measured)
+    if chunked:  # the census tells the two apart: the unchunked count would be off by > 10%
+        assert unchunked > 1.1 * measured, (unchunked, measured)
+
+
+def test_plan_without_recompute_below_one_moe_chunk_counts_the_moe():
+    config = get_preset("glm53-mini")
+    chunked = MemoryOptions(recompute=False, offload=False, moe_chunking=True)
+    plain = MemoryOptions(recompute=False, offload=False, moe_chunking=False)
+    at = lambda n, o: estimate_memory(config, n, o, 1, 141 * GIB).gpu["activations (no recompute)"]  # noqa: E731
+    assert at(32768, chunked) == at(32768, plain)
+    assert at(131072, chunked) < 0.8 * at(131072, plain)
+
+
 # ------------------------------------------------------------------------------- pre-flight
 
 

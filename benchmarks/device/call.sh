@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One `run` call on the device machine: named stages, each under its own time limit, logs in $OUT.
+#   bash benchmarks/device/call.sh indexer:150 gputests:270 profile128k:110 kernels512k:90
+#   TRAIN_ARGS=... / ABLATION_ARGS=... pass options to the train / ablation stages.
+# Kernel caches (Triton, TileLang) live in .kcache/ (git-ignored); they are packed into
+# $OUT/kcache.tar.xz at the end so a later call can carry them and skip recompilation.
+set -u
+source .device/activate.sh
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export TRITON_CACHE_DIR=$PWD/.kcache/triton TILELANG_CACHE_DIR=$PWD/.kcache/tilelang
+mkdir -p "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR" "$OUT"
+[ -f .kcache/kcache.tar.xz ] && tar -xJf .kcache/kcache.tar.xz -C .kcache && echo "kernel caches unpacked"
+[ -d /tmp/bundled ] || python3 -m genolong prepare --fasta bundled --out /tmp/bundled > "$OUT/prepare.txt" 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for stage in "$@"; do
+  name=${stage%%:*}; limit=${stage##*:}
+  echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+  case $name in
+    indexer) cmd="python3 benchmarks/bench_indexer.py --sizes 512k --extra 1M --out $OUT/indexer" ;;
+    kdatest) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_kernels.py -k kda" ;;
+    gputests) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider -m gpu tests/gpu tests/train/test_memory.py" ;;
+    profile128k) cmd="python3 benchmarks/profile_step.py --data /tmp/bundled --seq 128k --warmup 2 --out $OUT/profile128k" ;;
+    kernels512k) cmd="python3 benchmarks/bench_kernels.py --sizes 512k --indexer-extra '' --skip-parity --no-indexer --out $OUT/kernels" ;;
+    ablation) cmd="python3 benchmarks/bench_memory_ablation.py --data /tmp/bundled ${ABLATION_ARGS:-} --out $OUT/ablation.jsonl" ;;
+    train) cmd="python3 benchmarks/bench_train.py --data /tmp/bundled ${TRAIN_ARGS:-} --out $OUT/train.json" ;;
+    *) echo "unknown stage $name"; continue ;;
+  esac
+  start=$(date +%s)
+  timeout "$limit" bash -c "$cmd" > "$OUT/$name.log" 2>&1
+  echo "rc=$? $(( $(date +%s) - start ))s"; tail -n 25 "$OUT/$name.log"
+done
+tar -cJf "$OUT/kcache.tar.xz" -C .kcache triton tilelang 2>/dev/null; ls -la "$OUT/kcache.tar.xz"
