@@ -151,16 +151,21 @@ def main(argv=None) -> int:
 
     # 3. ablation: the longest length that trains per configuration
     summaries = {}
+    poisoned = False  # an OOM whose memory was not given back: later phases would measure garbage
     for name in [c for c in args.ablation.split(",") if c]:
-        if left() < 60:
-            results["not_run"].append(f"ablation {name}: time budget")
+        if left() < 60 or poisoned:
+            results["not_run"].append(f"ablation {name}: " + ("memory not recovered after an earlier OOM; run bench_memory_ablation.py, which restarts its worker" if poisoned else "time budget"))
             continue
 
         def rec(row: dict, _name=name) -> None:
             row["phase"] = "ablation"
             record(row)
 
-        summaries[name] = longest(bench, name, args.host_budget_gib, rec)
+        try:
+            summaries[name] = longest(bench, name, args.host_budget_gib, rec)
+        except SystemExit:  # longest() found the allocator not back to its level after an OOM
+            poisoned = True
+            summaries[name] = {"config": name, "longest": None, "note": "memory not recovered after OOM"}
         _empty_cache()
         save()
     results["ablation"] = summaries
@@ -169,7 +174,9 @@ def main(argv=None) -> int:
     n = parse_length(args.overfit_seq)
     timed = [r["step_s"] for r in rows if r.get("phase") == "train" and r.get("ok") and r.get("seq_len") == n and r.get("step", 1) > 1]
     need = args.overfit_steps * (min(timed) if timed else 0.0) + 15
-    if not timed:
+    if poisoned:
+        results["not_run"].append(f"overfit at {format_length(n)}: memory not recovered after an ablation OOM")
+    elif not timed:
         results["not_run"].append(f"overfit at {format_length(n)}: that length was not timed in phase 1")
     elif left() < need:
         results["not_run"].append(f"overfit at {format_length(n)}: {args.overfit_steps} steps need ~{need:.0f} s, {left():.0f} s left")
