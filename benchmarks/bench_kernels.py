@@ -113,11 +113,14 @@ def dense_attention(q, kv, indices, *, scale):
 
 
 class Bench:
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, only: str = ""):
         self.rows = []
         self.log = (out / "bench.jsonl").open("a")
+        self.only = [w for w in only.split(",") if w]
 
     def record(self, size, case, fn, reps, note=""):
+        if self.only and not any(w in case for w in self.only):
+            return None
         try:
             ms, peak = measure(fn, reps)
             row = dict(size=size, case=case, ms=round(ms, 2), peak_gib=round(peak, 2), note=note)
@@ -167,13 +170,14 @@ def main() -> None:
     ap.add_argument("--indexer-extra", default="1M", help="lengths at which only the fused indexer runs")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--no-indexer", action="store_true", help="skip the indexer cases (benchmarks/bench_indexer.py has them)")
+    ap.add_argument("--only", default="", help="comma-separated words: run only the cases whose name contains one")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     kernels.load()
     cfg = get_preset("glm53-mini")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {kernels.available()}", flush=True)
     notes = [] if args.skip_parity else parity(cfg)
-    bench = Bench(args.out)
+    bench = Bench(args.out, args.only)
     ic = cfg.dsa.indexer
     dsa_layer = init_(DSAAttention(cfg.hidden, cfg.dsa, cfg.rms_eps, 3, has_indexer=True))
     kda_layer = init_(KimiDeltaAttention(cfg.hidden, cfg.kda, cfg.rms_eps, 0))
