@@ -85,25 +85,6 @@ def baseline_indexer(q, keys, w, *, kpool, topk_pools, scale, chunk=8192):
     return out
 
 
-def indexer_stages(q, keys, w, *, kpool, topk_pools, scale, upto):
-    """The fused indexer's chunk loop stopped after stage `upto` (1: pass 1; 2: + top groups;
-    3: + pass 2 candidate scores; 4: + final top-k): where its time goes."""
-    seq, n_pools, group = q.shape[1], keys.shape[1], indexer_topk.GROUP
-    width = indexer_topk.out_width(kpool, topk_pools, True)
-    rows = indexer_topk.chunk_rows(-(-n_pools // group) * 8 + topk_pools * (group * 4 + 24) + width * 8, indexer_topk.BUDGET_BYTES)
-    for t0 in range(0, seq, rows):
-        t1 = min(seq, t0 + rows)
-        t = torch.arange(t0, t1, device=q.device)
-        qc, kc, wc = q[0, t0:t1], keys[0, : min(n_pools, t1 // kpool)], w[0, t0:t1]
-        gmax = indexer_triton.group_max(qc, kc, wc, t, kpool=kpool, scale=scale, group=group)
-        if upto >= 2:
-            top = gmax.topk(min(topk_pools, gmax.shape[1]), dim=-1)
-        if upto >= 3:
-            cand = indexer_triton.candidate_scores(qc, kc, wc, t, top.indices, top.values, kpool=kpool, scale=scale, group=group)
-        if upto >= 4:
-            cand.topk(min(topk_pools, cand.shape[1]), dim=-1)
-
-
 def dense_attention(q, kv, indices, *, scale):
     """The fallback the seed run hit: dense causal attention on the absorbed latent, scores materialised."""
     s = torch.einsum("bthl,bsl->bhts", q, kv).float() * scale
@@ -202,11 +183,7 @@ def main() -> None:
             bench.record(size, "indexer fused (two-pass, G=4)",
                          lambda: indexer_topk.indexer_two_pass(q, keys, w, group=4, group_max=indexer_triton.group_max,
                                                                candidate_scores=indexer_triton.candidate_scores, **kw), reps)
-        if seq == max(SIZES[x] for x in args.sizes.split(",")) and not args.no_indexer:
-            for upto, label in ((1, "pass 1"), (2, "pass 1 + top groups"), (3, "... + pass 2"), (4, "... + final top-k")):
-                bench.record(size, f"indexer fused stages: {label}",
-                             lambda: indexer_stages(q, keys, w, kpool=ic.kpool, topk_pools=ic.topk_pools,
-                                                    scale=ic.head_dim**-0.5, upto=upto), reps)
+        # The indexer's time by stage: benchmarks/bench_indexer.py.
         if not only_indexer and not args.no_indexer:
             bench.record(size, "indexer plain chunked PyTorch (8k queries)",
                          lambda: baseline_indexer(q, keys, w, kpool=ic.kpool, topk_pools=ic.topk_pools, scale=ic.head_dim**-0.5),

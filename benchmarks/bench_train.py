@@ -205,6 +205,7 @@ def main(argv=None) -> int:
 def census(bench: Bench, seq_len: int) -> list[dict]:
     """Bytes per token that one layer of each kind saves for backward (no recompute), measured
     with saved-tensor hooks on the GPU, against genolong.train.plan.layer_saved_bytes."""
+    from genolong.train.census import layer_saved_bytes_per_token
     from genolong.train.plan import layer_saved_bytes
 
     bench.use(MemoryOptions(recompute=False, offload=False, moe_chunking=False))
@@ -216,22 +217,11 @@ def census(bench: Bench, seq_len: int) -> list[dict]:
     for (mixer, mlp), i in kinds.items():
         layer = bench.model.model.layers[i]
         streams = torch.randn(1, seq_len, config.mhc.num_streams, config.hidden, device=bench.device, dtype=torch.bfloat16, requires_grad=True)
-        skip = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers(), streams]}
-        saved = {}
-
-        def pack(t, saved=saved, skip=skip):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in skip:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(streams)
-        measured = sum(saved.values()) / seq_len
+        measured = layer_saved_bytes_per_token(layer, streams)
         planned = layer_saved_bytes(config, i, 2)
         out.append({"layer": i, "mixer": mixer, "mlp": mlp, "measured_B_per_token": measured, "plan_B_per_token": planned, "ratio": planned / measured})
         print(json.dumps(out[-1]), flush=True)
-        del saved, streams
+        del streams
         _empty_cache()
     return out
 

@@ -8,6 +8,7 @@ import torch
 
 from genolong.errors import GenolongError
 from genolong.model import GenoLongForCausalLM, get_preset
+from genolong.train.census import saved_bytes
 from genolong.train.loss import chunked_lm_loss
 from genolong.train.memory import apply_memory_optimizations
 from genolong.train.offload import HostOffloader
@@ -197,20 +198,9 @@ def test_moe_chunking_saves_less_for_backward(config):
     layer = model.model.layers[moe_layer]
     streams = torch.randn(1, T, config.mhc.num_streams, config.hidden)
 
-    def saved_bytes():
-        total = {}
-
-        def pack(t):
-            total[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(streams)
-        return sum(total.values()), out
-
-    plain_bytes, plain_out = saved_bytes()
+    plain_bytes, plain_out = saved_bytes(lambda: layer(streams))
     handle = apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunk_tokens=32))
-    chunked_bytes, chunked_out = saved_bytes()
+    chunked_bytes, chunked_out = saved_bytes(lambda: layer(streams))
     handle.remove()
     torch.testing.assert_close(chunked_out, plain_out, atol=1e-6, rtol=1e-5)
     assert chunked_bytes < plain_bytes

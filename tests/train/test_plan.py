@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 
 from genolong.errors import GenolongError
 from genolong.model import GenoLongForCausalLM, get_preset, ops
+from genolong.train.census import layer_saved_bytes_per_token
 from genolong.train.options import MemoryOptions
 from genolong.train.plan import (
     GIB,
@@ -124,18 +125,7 @@ def test_layer_activation_bytes_match_a_census_of_saved_tensors(fused_stand_ins)
     for idx in (0, 3):  # a KDA + dense layer and a DSA + MoE layer
         layer = model.model.layers[idx]
         streams = torch.randn(1, seq, config.mhc.num_streams, config.hidden, dtype=torch.bfloat16, requires_grad=True)
-        skip = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers(), streams]}
-        saved = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in skip:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(streams)
-        measured = sum(saved.values()) / seq
+        measured = layer_saved_bytes_per_token(layer, streams)
         planned = layer_saved_bytes(config, idx, dtype_bytes=2, op_internals=False)
         assert planned == pytest.approx(measured, rel=0.05), (idx, planned, measured)
 
@@ -157,19 +147,8 @@ def test_moe_chunking_saves_what_the_plan_says_at_and_below_one_chunk(fused_stan
     seq, idx = 256, 3  # layer 3: DSA + MoE
     layer = model.model.layers[idx]
     streams = torch.randn(1, seq, config.mhc.num_streams, config.hidden, dtype=torch.bfloat16, requires_grad=True)
-    skip = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers(), streams]}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(streams)
+    measured = layer_saved_bytes_per_token(layer, streams)
     handle.remove()
-    measured = sum(saved.values()) / seq
     chunked = moe_chunks_checkpointed(seq, opts)
     assert chunked == (seq > chunk_tokens)
     planned = layer_saved_bytes(config, idx, dtype_bytes=2, moe_chunked=chunked, op_internals=False)
