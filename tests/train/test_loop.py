@@ -163,3 +163,13 @@ def test_overfit_four_windows_loss_falls_80_percent_in_50_steps(data, tmp_path):
     losses = [r["loss"] for r in records]
     assert len(losses) == 50 and all(math.isfinite(x) for x in losses)
     assert min(losses[-5:]) <= 0.2 * losses[0], losses
+
+
+def test_expandable_segments_are_the_default_but_a_user_allocator_setting_wins():
+    from genolong.train.loop import default_cuda_allocator
+
+    env = {}
+    assert default_cuda_allocator(env) and env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        user = {name: "max_split_size_mb:512"}
+        assert not default_cuda_allocator(user) and user == {name: "max_split_size_mb:512"}
