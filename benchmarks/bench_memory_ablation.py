@@ -39,7 +39,7 @@ from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss
 from genolong.train.memory import apply_memory_optimizations  # noqa: E402
 from genolong.train.optim import MasterAdamW, clip_scale  # noqa: E402
 from genolong.train.options import MemoryOptions  # noqa: E402
-from genolong.train.plan import estimate_memory  # noqa: E402
+from genolong.train.plan import estimate_memory, moe_chunks_checkpointed  # noqa: E402
 from genolong.units import format_length, parse_length  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -161,7 +161,8 @@ class Bench:
         self.optimizer.zero_grad()
         _sync()
         elapsed = time.perf_counter() - t0
-        flops = step_flops(self.config, seq_len, recompute=self.opts.recompute, chunked_loss=self.opts.chunked_loss)
+        flops = step_flops(self.config, seq_len, recompute=self.opts.recompute, chunked_loss=self.opts.chunked_loss,
+                           moe_recompute=moe_chunks_checkpointed(seq_len, self.opts))
         stats = self.handle.stats
         return {
             "seq_len": seq_len,

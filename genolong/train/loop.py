@@ -41,6 +41,7 @@ from genolong.train.flops import peak_flops, step_flops
 from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss
 from genolong.train.metrics import JsonlLog, Progress, StepRecord, TensorBoardLog
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
+from genolong.train.plan import moe_chunks_checkpointed
 from genolong.train.options import (
     TrainOptions,
     resolve_device,
@@ -136,7 +137,7 @@ def train(options: TrainOptions) -> list[dict]:
         options.seq_len,
         recompute=options.memory.recompute,
         chunked_loss=options.memory.chunked_loss,
-        moe_recompute=options.memory.moe_chunking,
+        moe_recompute=moe_chunks_checkpointed(options.batch * options.seq_len, options.memory),
     ).scaled(options.batch)
     peak = peak_flops(torch.cuda.get_device_name(device) if device.startswith("cuda") else None)
     end = options.steps if options.stop_after is None else min(options.steps, start + options.stop_after)

@@ -220,3 +220,11 @@ def test_backward_peak_counts_only_the_inputs_still_stored():
     # The count is the fewest that fits (one offloaded layer only adds an upload buffer).
     assert offload_layers_needed(0, 40, working, budget=170) == 0
     assert offload_layers_needed(0, 40, working, budget=130) == 2
+
+
+def test_plan_kernel_constants_are_the_kernels_own():
+    from genolong.kernels import indexer_topk
+    from genolong.train import plan
+
+    assert plan.INDEXER_GROUP == indexer_topk.GROUP
+    assert plan.INDEXER_BUDGET == indexer_topk.BUDGET_BYTES
