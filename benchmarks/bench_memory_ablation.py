@@ -6,7 +6,9 @@ lengths (powers of two, 8k-512k), starting at the length the memory plan predict
 longest that fits and moving up after a success, down after an out-of-memory. A step that runs out
 of memory is cleaned up in the same process (its tensors dropped, the allocator cache emptied) and
 the allocated bytes are checked to be back at the level before the attempt; if they are not, the
-remaining configurations are run in a fresh process. Kernels are compiled and autotuned once per
+remaining configurations are run in a fresh process. (They are not after an OOM inside backward:
+the autograd graph of the failed step stays alive, held from C++ with no Python referrer,
+pytorch/pytorch#82218; a simulated OOM in a layer's recompute reproduces it on the CPU.) Kernels are compiled and autotuned once per
 process, which is why attempts are not one process each.
 
     source .device/activate.sh && python benchmarks/bench_memory_ablation.py --data data/bundled \
