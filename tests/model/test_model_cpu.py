@@ -10,16 +10,6 @@ from genolong.model.config import LAYER_DSA, MLP_DENSE
 from genolong.vocab import DNA_MODEL_VOCAB_SIZE
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These shapes gain nothing from a second thread, and on a shared 2-core machine OpenMP's
-    # spinning barriers made them ~30x slower (2k tokens: 30 s instead of 1 s).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)

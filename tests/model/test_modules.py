@@ -24,16 +24,6 @@ from genolong.model.mhc import HyperConnection, sinkhorn
 from genolong.model.moe import Router, moe_experts_reference
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These shapes gain nothing from a second thread, and on a shared 2-core machine OpenMP's
-    # spinning barriers made them ~30x slower (2k tokens: 30 s instead of 1 s).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 

@@ -22,15 +22,6 @@ from genolong.model.config import TO_HF_LAYER_TYPES, TO_HF_MLP_TYPES, ModelConfi
 from genolong.model.model import keeps_fp32  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These shapes gain nothing from a second thread, and on a shared 2-core machine OpenMP's
-    # spinning barriers made them ~30x slower (2k tokens: 30 s instead of 1 s).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 SEQ = 300
 SCHEDULES = {
     # The preset's own rule: layer 3 is DSA (full indexer) and the only MoE layer.
