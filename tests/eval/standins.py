@@ -7,11 +7,10 @@ model and prepared data are exercised end to end in test_cli.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from genolong.data.sampler import Window
 from genolong.eval.positional import ModelScorer
 from genolong.eval.run import ModelSpec
 from genolong.train.loss import chunked_token_loss
@@ -33,15 +32,6 @@ class GRULM(torch.nn.Module):
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self.rnn(self.emb(ids))[0]
-
-
-@dataclass
-class Window:
-    tokens: np.ndarray
-    repeat_mask: np.ndarray
-    record: str
-    start: int
-    reverse: bool = False
 
 
 def make_windows(n: int, length: int, seed: int = 0, n_run: bool = True) -> list[Window]:
