@@ -16,7 +16,10 @@ FUSED = {
     "dsa_sparse_attention": [("tilelang_sparse_mla", "genolong.kernels.dsa_sparse_tilelang", "dsa_sparse_attention")],
     # indexer_topk.dsa_indexer_topk_chunked (plain PyTorch) is deliberately not registered: a
     # Triton failure must show up as a fallback, not as a silent 10x slower path.
-    "dsa_indexer_topk": [("triton_two_pass", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused")],
+    "dsa_indexer_topk": [
+        ("triton_fused_select", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused_select"),
+        ("triton_two_pass", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused"),
+    ],
     "kda": [("fla_chunk_kda", "genolong.kernels.kda_fla", "kda_fla")],
     "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe_grouped", "moe_experts_grouped")],
 }
