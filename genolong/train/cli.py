@@ -50,6 +50,9 @@ def finetune(
     launcher: Annotated[str, typer.Option(help="local (a spawned worker process) or ray (a Ray actor).")] = "local",
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster address [default: start a local Ray].", show_default=False)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+    compile: Annotated[
+        bool, typer.Option("--compile/--no-compile", help="torch.compile the small ops (mHC, norms, router, SwiGLU) and run mHC's Sinkhorn as one Triton kernel.")
+    ] = False,
     recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Full-layer activation recompute (off also turns offload off).", rich_help_panel=_MEM)] = True,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Layer inputs to pinned host memory.", rich_help_panel=_MEM)] = True,
     offload_layers: Annotated[
@@ -137,6 +140,7 @@ def finetune(
             launcher=launcher,
             ray_address=ray_address,
             progress=progress,
+            compile=compile,
             memory=memory,
         )
     records = launch(options)

@@ -108,6 +108,8 @@ def train(options: TrainOptions) -> list[dict]:
     sampler = _open_sampler(options)
     model, dna_map = _build_model(options, device, dtype, resume_from)
     _set_kernel_policy(resolve_kernels(options, device))
+    # Before the memory options: an mHC forward they replace (the fp32-input ablation) stays eager.
+    compiled = _apply_compile(model, options)
     handle = _apply_memory(model, options)
     optimizer = MasterAdamW(
         list(model.named_parameters()),
@@ -162,6 +164,7 @@ def train(options: TrainOptions) -> list[dict]:
             if step == start:
                 _write_kernel_audit(run_dir)
                 _write_memory_setup(run_dir, handle)
+                _write_compile_setup(run_dir, compiled)
             if nonfinite_run >= options.max_nonfinite:
                 raise TrainingStopped(
                     f"stopped at step {step + 1}: {nonfinite_run} consecutive steps had a non-finite loss or gradient "
@@ -345,6 +348,20 @@ def _set_kernel_policy(policy: str) -> None:
 
         genolong.kernels.load()
     ops.use(policy)
+
+
+def _apply_compile(model, options: TrainOptions):
+    if not options.compile:
+        return None
+    from genolong.train.compile import apply_compile
+
+    return apply_compile(model)
+
+
+def _write_compile_setup(run_dir: Path, compiled) -> None:
+    """What the compile pass replaced and what dynamo did during the first step (graphs, breaks)."""
+    if compiled is not None:
+        (run_dir / "compile.json").write_text(json.dumps(compiled.describe(), indent=1) + "\n", encoding="utf-8")
 
 
 def _apply_memory(model, options: TrainOptions):

@@ -121,6 +121,7 @@ class TrainOptions:
     ray_address: str | None = None
     progress: bool = True
     tensorboard: bool = True
+    compile: bool = False  # torch.compile the small ops (mHC, norms, router, SwiGLU; genolong.train.compile)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
 
     @property
