@@ -21,6 +21,7 @@ FUSED = {
         ("triton_two_pass", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused"),
     ],
     "kda": [("fla_chunk_kda", "genolong.kernels.kda_fla", "kda_fla")],
+    "kda_short_conv": [("fla_causal_conv1d", "genolong.kernels.kda_conv_fla", "short_conv_fla")],
     "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe_grouped", "moe_experts_grouped")],
 }
 
