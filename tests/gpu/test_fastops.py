@@ -115,7 +115,7 @@ def test_compile_pass_matches_eager_on_a_fused_model():
     print(described)
     assert described["sinkhorn"] == "triton" and described["graph_breaks"] == 0
     assert abs(loss.item() - eager_loss.item()) <= 1e-2 * abs(eager_loss.item())
-    assert loss2.item() == loss.item()  # deterministic, and no recompilation changed anything
+    assert abs(loss2.item() - loss.item()) <= 1e-3 * abs(loss.item())  # MoE combine uses atomics: not bit-exact
     worst = max(_rel(g, r) for g, r in zip(grads, eager_grads) if r.norm() > 0)
     assert worst <= 5e-2, worst
     handle.remove()
