@@ -8,10 +8,11 @@ or --heads 32 for GLM-5.3-Flash's):
 - plain: the issue's version (einsum over heads + relu + weighted head sum + causal mask + topk
   over the [8k, pools] block, 8k queries per chunk), `bench_kernels.baseline_indexer`;
 - v1 G=<g> [sorted]: the two-pass path with two `torch.topk` calls (`indexer_two_pass`);
-- v2 G=<g>: per-head pass 1 with pipelined key loads, one `torch.topk` over the group maxima,
-  pass 2 choosing the final top-k and writing the token indices itself (`indexer_fused_select`);
+- v2 G=<g>: per-head pass 1 with pipelined key loads (group and super-group maxima), the top
+  groups chosen by a selection kernel, pass 2 choosing the final top-k and writing the token
+  indices itself (`indexer_fused_select`): no torch.topk;
 - for each variant its cumulative stage times: v1 pass 1; + top groups; + pass 2; + final top-k
-  (the expansion to token indices is the rest of the total); v2 pass 1; + top groups; + select;
+  (the expansion to token indices is the rest of the total); v2 pass 1; + select groups; + select;
 - v2 pass 1 alone with other tile shapes (BM x BN, warps, stages), each checked against the default.
 At --extra lengths only v1 and v2 at G=8 run (totals). Selections are compared with the first
 variant on 256 sampled rows (pool sets); they may differ only on fp32 near-ties. Every row goes to
@@ -42,7 +43,7 @@ def chunks(q, keys, *, kpool, topk_pools, group, v2):
     seq, n_pools = q.shape[1], keys.shape[1]
     width = indexer_topk.out_width(kpool, topk_pools, True)
     n_groups = -(-n_pools // group)
-    per_row = n_groups * 8 + topk_pools * (group * 4 + 12) if v2 else n_groups * 8 + topk_pools * (group * 4 + 24) + width * 8
+    per_row = n_groups * 8 + topk_pools * (group * 4 + 16) if v2 else n_groups * 8 + topk_pools * (group * 4 + 24) + width * 8
     rows = indexer_topk.chunk_rows(per_row, indexer_topk.BUDGET_BYTES)
     for t0 in range(0, seq, rows):
         t1 = min(seq, t0 + rows)
@@ -63,15 +64,16 @@ def stages_v1(q, keys, w, *, kpool, topk_pools, scale, group, sorted_topk, upto)
 
 
 def stages_v2(q, keys, w, out, *, kpool, topk_pools, scale, group, upto, tile=None):
-    """v2 stopped after stage `upto` (1 pass 1, 2 top groups, 3 select = everything)."""
+    """v2 stopped after stage `upto` (1 pass 1, 2 select groups, 3 select = everything)."""
     bm, bn, warps, stages = tile or TILES[0]
     for t0, t1, t, visible in chunks(q, keys, kpool=kpool, topk_pools=topk_pools, group=group, v2=True):
         qc, kc, wc = q[0, t0:t1], keys[0, :visible], w[0, t0:t1]
-        gmax = indexer_triton.group_max_v2(qc, kc, wc, t, kpool=kpool, scale=scale, group=group, bm=bm, bn=bn, warps=warps, stages=stages)
+        maxima = indexer_triton.group_max_v2(qc, kc, wc, t, kpool=kpool, scale=scale, group=group, bm=bm, bn=bn,
+                                             warps=warps, stages=stages)
         if upto >= 2:
-            top = gmax.topk(min(topk_pools, gmax.shape[1]), dim=-1, sorted=False)
+            gidx, gval = indexer_triton.select_groups(maxima, topk_pools)
         if upto >= 3:
-            indexer_triton.select_candidates(qc, kc, wc, t, top.indices, top.values, out[0, t0:t1], kpool=kpool, scale=scale,
+            indexer_triton.select_candidates(qc, kc, wc, t, gidx, gval, out[0, t0:t1], kpool=kpool, scale=scale,
                                              group=group, topk_pools=topk_pools, always_select_tail=True)
 
 
@@ -114,6 +116,7 @@ def main() -> None:
     def full(version, group, srt, q, keys, w):
         if version == "v2":
             return lambda: indexer_topk.indexer_fused_select(q, keys, w, group=group, group_max=indexer_triton.group_max_v2,
+                                                             select_groups=indexer_triton.select_groups,
                                                              select=indexer_triton.select_candidates, **kw)
         return lambda: indexer_topk.indexer_two_pass(q, keys, w, group=group, group_max=indexer_triton.group_max,
                                                      candidate_scores=indexer_triton.candidate_scores, sorted_topk=srt, **kw)
@@ -157,7 +160,7 @@ def main() -> None:
                                                                              group=group, sorted_topk=srt, upto=upto), reps)
             else:
                 out = torch.empty(1, seq, indexer_topk.out_width(ic.kpool, ic.topk_pools, True), dtype=torch.int32, device="cuda")
-                for upto, label in ((1, "pass 1"), (2, "+ top groups"), (3, "+ select (pass 2, top-k, expansion)")):
+                for upto, label in ((1, "pass 1"), (2, "+ select groups"), (3, "+ select (pass 2, top-k, expansion)")):
                     record(size, f"{name} stages: {label}",
                            lambda upto=upto, group=group, out=out: stages_v2(q, keys, w, out, kpool=ic.kpool, topk_pools=ic.topk_pools,
                                                                              scale=scale, group=group, upto=upto), reps)
@@ -165,11 +168,11 @@ def main() -> None:
         if not args.no_tiles:
             n = min(seq, 65536)
             t = torch.arange(seq - n, seq, device="cuda")
-            ref = indexer_triton.group_max_v2(q[0, -n:], keys[0], w[0, -n:], t, kpool=ic.kpool, scale=scale, group=8)
+            ref = indexer_triton.group_max_v2(q[0, -n:], keys[0], w[0, -n:], t, kpool=ic.kpool, scale=scale, group=8)[0]
             for tile in TILES:
                 bm, bn, warps, stages = tile
                 got = indexer_triton.group_max_v2(q[0, -n:], keys[0], w[0, -n:], t, kpool=ic.kpool, scale=scale, group=8,
-                                                  bm=bm, bn=bn, warps=warps, stages=stages)
+                                                  bm=bm, bn=bn, warps=warps, stages=stages)[0]
                 same = bool(torch.equal(got, ref)) or float((got - ref).abs().nan_to_num().max()) <= 1e-5 * float(ref[ref.isfinite()].abs().max())
                 record(size, f"v2 pass 1, last {n // 1024}k queries, BM {bm} BN {bn} warps {warps} stages {stages}",
                        lambda bm=bm, bn=bn, warps=warps, stages=stages: indexer_triton.group_max_v2(

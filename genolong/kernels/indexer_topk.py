@@ -15,10 +15,13 @@ budget, so the transient memory does not grow with the sequence:
   the full top-k except between scores equal to within fp32 rounding (order is unspecified
   among ties, as in the reference).
 - `fused_select` (Triton, v2, registered first): the same two passes and the same argument, with
-  pass 1 computing one product per head (no head stacking) and pass 2 choosing the final top-k
-  itself (an exact bitwise search for the k-th largest candidate score) and writing the token
-  indices and the tail directly: one `torch.topk` (over the group maxima) instead of two, and
-  no candidate-score buffer or expansion pass over memory. `two_pass` stays selectable.
+  pass 1 computing one product per head (no head stacking) and also keeping the maximum of each
+  super-group of SUPER = 8 consecutive groups; the top `topk` groups lie in the top `topk`
+  super-groups (the same argument one level up), so a selection kernel picks those, then the
+  top `topk` groups among their 8 * topk groups; pass 2 rescores the candidates and chooses the
+  final top-k itself. Every selection is an exact bitwise search for the k-th largest value in
+  registers: no `torch.topk` at all, and pass 2 writes the token indices and the tail directly
+  (no candidate-score buffer, no expansion pass over memory). `two_pass` stays selectable.
 
 Queries may be a piece of a sequence (`query_offset`, docs/ops.md): the queries are at positions
 query_offset + [0, T), the pools cover the sequence from 0, indices are global positions.
@@ -173,6 +176,30 @@ def indexer_two_pass(index_q, pool_keys, head_weights, *, kpool, topk_pools, alw
 # ----------------------------------------------------------------------------- v2: selection inside pass 2
 
 
+def select_groups_torch(gmax: torch.Tensor, topk_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top groups by their maxima (the CPU stand-in for the group selection): (ids, maxima)."""
+    top = gmax.topk(min(topk_pools, gmax.shape[1]), dim=-1, sorted=False)
+    return top.indices, top.values
+
+
+def group_max_super_torch(q, keys, w, t, *, kpool: int, scale: float, group: int, sup: int = 8):
+    """Pass 1 v2 in PyTorch: (group maxima, maxima of `sup` consecutive groups)."""
+    gmax = group_max_torch(q, keys, w, t, kpool=kpool, scale=scale, group=group)
+    pad = (-gmax.shape[1]) % sup
+    return gmax, torch.nn.functional.pad(gmax, (0, pad), value=float("-inf")).view(gmax.shape[0], -1, sup).amax(-1), sup
+
+
+def select_groups_super_torch(maxima, topk_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group selection kernel's two levels in PyTorch: top super-groups, then the top groups in them."""
+    gmax, sg, sup = maxima
+    top_sg = sg.topk(min(topk_pools, sg.shape[1]), dim=-1, sorted=False)
+    gid = (top_sg.indices.unsqueeze(-1) * sup + torch.arange(sup, device=gmax.device)).flatten(1)
+    ok = (top_sg.values > float("-inf")).repeat_interleave(sup, 1) & (gid < gmax.shape[1])
+    vals = gmax.gather(1, gid.clamp(max=gmax.shape[1] - 1)).masked_fill(~ok, float("-inf"))
+    top = vals.topk(min(topk_pools, vals.shape[1]), dim=-1, sorted=False)
+    return gid.gather(1, top.indices), top.values
+
+
 def select_candidates_torch(q, keys, w, t, gidx, gval, out, *, kpool, scale, group, topk_pools, always_select_tail):
     """Pass 2 v2 in PyTorch (the CPU stand-in for the Triton kernel): fills `out` [n, W] for queries t."""
     cand = candidate_scores_torch(q, keys, w, t, gidx, gval, kpool=kpool, scale=scale, group=group)
@@ -183,15 +210,15 @@ def select_candidates_torch(q, keys, w, t, gidx, gval, out, *, kpool, scale, gro
 
 def indexer_fused_select(index_q, pool_keys, head_weights, *, kpool, topk_pools, always_select_tail, softmax_scale,
                          query_offset=0, group=GROUP, budget_bytes=BUDGET_BYTES, group_max=group_max_torch,
-                         select=select_candidates_torch):
-    """Group maxima, one top-k over them, then `select` rescores the candidates and writes the rows."""
+                         select_groups=select_groups_torch, select=select_candidates_torch):
+    """Pass 1 (`group_max`), the top groups (`select_groups`), then `select` rescores their pools and writes the rows."""
     batch, seq, heads, _ = index_q.shape
     n_pools = pool_keys.shape[1]
     width = out_width(kpool, topk_pools, always_select_tail)
     out = _common.empty((batch, seq, width), dtype=torch.int32, device=index_q.device)
     n_groups = -(-n_pools // group)
-    # Group maxima and topk's copy, top-k values/indices, the candidate-score scratch.
-    rows = chunk_rows(n_groups * 8 + topk_pools * (group * 4 + 12), budget_bytes)
+    # Group maxima (and a top-k's copy of them), top groups, the candidate-score scratch.
+    rows = chunk_rows(n_groups * 8 + topk_pools * (group * 4 + 16), budget_bytes)
     kw = dict(kpool=kpool, topk_pools=topk_pools, always_select_tail=always_select_tail)
     for b in range(batch):
         for t0, t1, t, visible in query_chunks(seq, rows, query_offset, n_pools, kpool, index_q.device):
@@ -200,9 +227,9 @@ def indexer_fused_select(index_q, pool_keys, head_weights, *, kpool, topk_pools,
                 none = torch.full((t1 - t0, 0), -1, dtype=torch.long, device=index_q.device)
                 out[b, t0:t1] = expand_pools(none, t, **kw)
                 continue
-            gmax = group_max(q, keys, w, t, kpool=kpool, scale=softmax_scale, group=group)
-            top = gmax.topk(min(topk_pools, gmax.shape[1]), dim=-1, sorted=False)
-            select(q, keys, w, t, top.indices, top.values, out[b, t0:t1], scale=softmax_scale, group=group, **kw)
+            maxima = group_max(q, keys, w, t, kpool=kpool, scale=softmax_scale, group=group)
+            gidx, gval = select_groups(maxima, topk_pools)
+            select(q, keys, w, t, gidx, gval, out[b, t0:t1], scale=softmax_scale, group=group, **kw)
     return out
 
 
@@ -229,10 +256,11 @@ def dsa_indexer_topk_fused_select(index_q, pool_keys, head_weights, *, kpool, to
     _check(index_q, pool_keys, head_weights)
     triton_mod = _triton()
     triton_mod.check_supported(index_q, pool_keys)
-    triton_mod.check_supported_v2(kpool, topk_pools, GROUP)
+    triton_mod.check_supported_v2(kpool, topk_pools, GROUP, pool_keys.shape[1])
     return indexer_fused_select(index_q, pool_keys, head_weights, kpool=kpool, topk_pools=topk_pools,
                                 always_select_tail=always_select_tail, softmax_scale=softmax_scale, query_offset=query_offset,
-                                group_max=triton_mod.group_max_v2, select=triton_mod.select_candidates)
+                                group_max=triton_mod.group_max_v2, select_groups=triton_mod.select_groups,
+                                select=triton_mod.select_candidates)
 
 
 def dsa_indexer_topk_fused(index_q, pool_keys, head_weights, *, kpool, topk_pools, always_select_tail, softmax_scale,

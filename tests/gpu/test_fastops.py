@@ -50,7 +50,7 @@ def test_indexer_v2_many_chunks_equals_one_chunk():
     from genolong.kernels import indexer_triton as tr
 
     q, keys, w = _indexer_inputs(8192)
-    kw = dict(KW, topk_pools=256, group_max=tr.group_max_v2, select=tr.select_candidates)
+    kw = dict(KW, topk_pools=256, group_max=tr.group_max_v2, select_groups=tr.select_groups, select=tr.select_candidates)
     one = it.indexer_fused_select(q, keys, w, **kw)
     many = it.indexer_fused_select(q, keys, w, budget_bytes=1, **kw)  # 64-query chunks
     assert _sets(one) == _sets(many)

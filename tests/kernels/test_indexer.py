@@ -45,10 +45,13 @@ def _run(impl, q, keys, w, **kw):
         return it.indexer_chunked(q, keys, w, budget_bytes=1, **kw)
     if impl.startswith("fused_select"):
         return it.indexer_fused_select(q, keys, w, group=int(impl[-1]), budget_bytes=1, **kw)
+    if impl.startswith("fused_super"):
+        return it.indexer_fused_select(q, keys, w, group=int(impl[-1]), budget_bytes=1, group_max=it.group_max_super_torch,
+                                       select_groups=it.select_groups_super_torch, **kw)
     return it.indexer_two_pass(q, keys, w, group=int(impl[-1]), budget_bytes=1, **kw)
 
 
-IMPLS = ["chunked", "two_pass_g4", "two_pass_g8", "fused_select_g4", "fused_select_g8"]
+IMPLS = ["chunked", "two_pass_g4", "two_pass_g8", "fused_select_g4", "fused_select_g8", "fused_super_g2", "fused_super_g4"]
 
 
 @pytest.mark.parametrize("seq,kpool,topk,tail", CASES)
@@ -124,6 +127,27 @@ def test_two_pass_needs_every_pool_of_the_chosen_groups():
     assert _as_sets(got) != _as_sets(ref)
 
 
+def test_super_groups_need_every_group_of_the_chosen_super_groups():
+    # Keeping only the best group of each chosen super-group is a different (wrong) selection:
+    # the comparison with the reference can fail.
+    q, keys, w = _inputs(1, 2048, 4, 32, 4, seed=4)
+    kw = dict(kpool=4, topk_pools=16, always_select_tail=True, softmax_scale=32**-0.5)
+    ref = indexer_topk_reference(q, keys, w, **kw)
+
+    def best_group_only(maxima, topk_pools):
+        gmax, sg, _ = maxima
+        top = sg.topk(topk_pools, dim=-1, sorted=False)
+        gid = (top.indices.unsqueeze(-1) * 8 + torch.arange(8)).flatten(1).clamp(max=gmax.shape[1] - 1)
+        best = gmax.gather(1, gid).view(gmax.shape[0], topk_pools, 8).argmax(-1)
+        return top.indices * 8 + best, top.values
+
+    good = it.indexer_fused_select(q, keys, w, group=2, group_max=it.group_max_super_torch,
+                                   select_groups=it.select_groups_super_torch, **kw)
+    bad = it.indexer_fused_select(q, keys, w, group=2, group_max=it.group_max_super_torch, select_groups=best_group_only, **kw)
+    assert _as_sets(good) == _as_sets(ref)
+    assert _as_sets(bad) != _as_sets(ref)
+
+
 def test_chunk_rows_follow_the_budget_not_the_length():
     budget = 2 << 30
     for seq in (16 * 1024, 256 * 1024, 1024 * 1024):
@@ -156,29 +180,35 @@ sets = lambda x: [set(r) - {-1} for r in x[0].tolist()]
 v1 = it.indexer_two_pass(q, keys, w, budget_bytes=1, group_max=tr.group_max, candidate_scores=tr.candidate_scores, **kw)
 print("V1 MISMATCHED", sum(a != b for a, b in zip(sets(v1), sets(ref))))
 # v2 in two pieces at their offsets (small tiles so that several pool blocks and programs run).
-v2 = lambda a, b: it.indexer_fused_select(q[:, a:b], keys, w[:, a:b], query_offset=a, budget_bytes=1,
-                                          group_max=lambda *x, **k: tr.group_max_v2(*x, bm=16, bn=32, n_inner=2, stages=2, **k),
-                                          select=tr.select_candidates, **kw)
-got = torch.cat([v2(0, 250), v2(250, seq)], dim=1)
-print("V2 MISMATCHED", sum(a != b for a, b in zip(sets(got), sets(ref))), "UNWRITTEN", int((got == -7).sum()))
-# Every pool scores the same: the kernel's tie-break must still pick exactly min(topk, visible)
-# distinct visible pools per query.
+# v2 with groups of 2 pools and super-groups of 2 groups (dozens of super-groups against top 4 at
+# these lengths, so that every selection level really chooses), small tiles so that several pool
+# blocks and programs run; the last 300 queries, in two pieces at their offsets.
+kw4 = dict(kw, topk_pools=4)
+ref4 = indexer_topk_reference(q, keys, w, **kw4)
+v2 = lambda a, b: it.indexer_fused_select(q[:, a:b], keys, w[:, a:b], query_offset=a, budget_bytes=1, group=2,
+                                          group_max=lambda *x, **k: tr.group_max_v2(*x, sup=2, bm=16, bn=16, n_inner=2, stages=2, **k),
+                                          select_groups=tr.select_groups, select=tr.select_candidates, **kw4)
+got = torch.cat([v2(300, 420), v2(420, seq)], dim=1)
+print("V2 MISMATCHED", sum(a != b for a, b in zip(sets(got), sets(ref4[:, 300:]))), "UNWRITTEN", int((got == -7).sum()))
+# Every pool scores the same: each level's tie-break must still pick exactly min(topk, visible)
+# distinct visible pools per query (96 queries: 6 super-groups of 4 pools against top 4).
 tied = keys[:, :1].expand_as(keys).contiguous()
-got = it.indexer_fused_select(q[:, :160], tied, w[:, :160], budget_bytes=1, group_max=tr.group_max_v2,
-                              select=tr.select_candidates, **kw)
-ok = all(len({x // kpool for x in r[:48] if x >= 0}) == min(12, (t + 1) // kpool) and all(x <= t for x in r if x >= 0)
+got = it.indexer_fused_select(q[:, :96], tied, w[:, :96], budget_bytes=1, group=2,
+                              group_max=lambda *x, **k: tr.group_max_v2(*x, sup=2, bm=16, bn=16, n_inner=2, stages=2, **k),
+                              select_groups=tr.select_groups, select=tr.select_candidates, **kw4)
+ok = all(len({x // kpool for x in r[:16] if x >= 0}) == min(4, (t + 1) // kpool) and all(x <= t for x in r if x >= 0)
          for t, r in enumerate(got[0].tolist()))
 print("TIES OK", ok)
 """
 
 
-@pytest.mark.slow  # ~40 s of CPU: the v2 selection unrolls 32 search steps in the interpreter
+@pytest.mark.slow  # ~1 min of CPU: each v2 selection runs 32 search steps, element by element, in the interpreter
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_passes_in_the_interpreter_select_like_the_reference():
     # Triton's CPU interpreter runs the kernels' own code (fp16: the interpreter has no bf16).
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     prelude = "from genolong.kernels import _common; _common.POISON = True\n"
-    run = subprocess.run([sys.executable, "-c", prelude + _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", prelude + _INTERPRETED], env=env, capture_output=True, text=True, timeout=1500)
     assert "V1 MISMATCHED 0" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "V2 MISMATCHED 0 UNWRITTEN 0" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "TIES OK True" in run.stdout, run.stdout + run.stderr[-3000:]
