@@ -165,7 +165,7 @@ def _hc(self, streams, triton_sinkhorn: bool):
     _tokens_dynamic(flat)
     post, comb, collapsed = compiled("hc_forward")(flat, self.fn, self.base, self.scale, self.n, self.sinkhorn_iters,
                                                    self.eps, self.rms_eps, triton_sinkhorn)
-    return post.view(*lead, n), comb.view(*lead, n, n), collapsed.view(*lead, hidden)
+    return post.reshape(*lead, n), comb.reshape(*lead, n, n), collapsed.reshape(*lead, hidden)
 
 
 def _hc_forward_triton(self, streams):
@@ -180,19 +180,19 @@ def _hc_expand(self, post, comb, out, residual):
     lead, (n, hidden) = residual.shape[:-2], residual.shape[-2:]
     args = (post.reshape(-1, n), comb.reshape(-1, n, n), out.reshape(-1, hidden), residual.reshape(-1, n, hidden))
     _tokens_dynamic(*args)
-    return compiled("hc_expand")(*args).view(*lead, n, hidden)
+    return compiled("hc_expand")(*args).reshape(*lead, n, hidden)
 
 
 def _rms_norm_forward(self, x):
     flat = x.reshape(-1, x.shape[-1])
     _tokens_dynamic(flat)
-    return compiled("rms_norm")(flat, self.weight, self.eps).view(x.shape)
+    return compiled("rms_norm")(flat, self.weight, self.eps).reshape(x.shape)
 
 
 def _gated_rms_norm_forward(self, x, gate):
     flat, flat_gate = x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1])
     _tokens_dynamic(flat, flat_gate)
-    return compiled("gated_rms_norm")(flat, flat_gate, self.weight, self.eps).view(x.shape)
+    return compiled("gated_rms_norm")(flat, flat_gate, self.weight, self.eps).reshape(x.shape)
 
 
 def _router_forward(self, x):
@@ -204,7 +204,7 @@ def _dense_mlp_forward(self, x):
     flat = x.reshape(-1, x.shape[-1])
     _tokens_dynamic(flat)
     out = compiled("swiglu_mlp")(flat, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.swiglu_limit)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 # ----------------------------------------------------------------------------- helpers
