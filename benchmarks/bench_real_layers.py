@@ -1,7 +1,7 @@
 """Single GLM-5.3-Flash layers at the real model's shapes on one GPU, and what a 64-GPU 1M-token step
 would cost per GPU from them.
 
-    source .device/activate.sh && python benchmarks/bench_real_layers.py --out $OUT/real_layers --budget-s 230
+    source .device/activate.sh && python benchmarks/bench_real_layers.py --out $OUT/real_layers --budget-s 200
 
 Random weights (normal, std 0.02), bf16, every hot op on its fused kernel (policy "fused"),
 forward + backward at 64k and 128k tokens (B = 1):
@@ -292,7 +292,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/real_layers"))
     ap.add_argument("--sizes", default="128k,64k", help="the first size gets every cell before the next starts")
-    ap.add_argument("--budget-s", type=float, default=230)
+    ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled mHC cell")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
