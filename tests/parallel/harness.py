@@ -10,6 +10,7 @@ raises fails the test with that rank's traceback; a rank that hangs is killed af
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
 import traceback
 
@@ -52,7 +53,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     errors = []
     try:
         for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+            try:
+                rank, status, value = queue.get(timeout=timeout)
+            except queue_module.Empty:
+                missing = sorted(set(range(world_size)) - set(results))
+                errors.append(f"ranks {missing} did not finish within {timeout:.0f} s (a collective waiting for a rank that never came?)")
+                break
             if status == "ok":
                 results[rank] = value
             else:
