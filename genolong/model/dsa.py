@@ -30,7 +30,8 @@ def sparse_attention_reference(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, return_lse: bool = False
 ):
     """The "dsa_sparse_attention" op: q [B,T,H,Dl], kv [B,S,Dl], indices int32 [B,T,W] -> [B,T,H,Dl],
-    and with `return_lse` also the natural-log log-sum-exp fp32 [B,T,H] (no gradient).
+    and with `return_lse` also the natural-log log-sum-exp [B,T,H] (no gradient; fp32, or the
+    input's dtype if wider).
 
     A query whose slots are all -1 attends to nothing and gets zeros (and lse -inf).
     """
@@ -51,7 +52,7 @@ def sparse_attention_reference(
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
         outputs.append(torch.matmul(probs, gathered))
         if return_lse:
-            lses.append(torch.logsumexp(scores.detach(), dim=-1).float())
+            lses.append(torch.logsumexp(scores.detach(), dim=-1))
     out = torch.cat(outputs, dim=1)
     return (out, torch.cat(lses, dim=1)) if return_lse else out
 

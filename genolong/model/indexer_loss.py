@@ -42,6 +42,11 @@ _CHUNK_ELEMENTS = 1 << 24
 _TINY_MASS = 1e-30
 
 
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The references' compute dtype: fp32, or the input's if wider (float64 tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def selected_pools(indices: torch.Tensor, kpool: int, topk_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
     """indices [..., W] -> (pool ids long [..., S], valid bool [..., S]) of the selected pool slots.
 
@@ -59,7 +64,7 @@ def normalise(mass: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sparse_target(q, kv, indices, lse, *, scale: float, kpool: int, topk_pools: int) -> torch.Tensor:
-    """Attention mass per selected pool, summed over heads, not normalised: fp32 [B, t, S].
+    """Attention mass per selected pool, summed over heads, not normalised: [B, t, S] (`wide`).
 
     q [B,t,H,Dl], kv [B,S_kv,Dl], indices [B,t,W], lse [B,t,H] natural log (fp32, -inf: no key).
     """
@@ -67,9 +72,10 @@ def sparse_target(q, kv, indices, lse, *, scale: float, kpool: int, topk_pools: 
     idx = indices[..., : topk_pools * kpool].long()
     valid = idx >= 0
     gathered = kv.gather(1, idx.clamp(min=0).reshape(batch, -1, 1).expand(-1, -1, latent))
-    gathered = gathered.view(batch, rows, idx.shape[-1], latent).float()
-    scores = torch.matmul(q.float(), gathered.transpose(-1, -2)) * scale  # [B, t, H, S*kpool]
-    probs = torch.where(valid.unsqueeze(2), (scores - lse.float().unsqueeze(-1)).exp(), 0.0)
+    dtype = wide(q.dtype)
+    gathered = gathered.view(batch, rows, idx.shape[-1], latent).to(dtype)
+    scores = torch.matmul(q.to(dtype), gathered.transpose(-1, -2)) * scale  # [B, t, H, S*kpool]
+    probs = torch.where(valid.unsqueeze(2), (scores - lse.to(dtype).unsqueeze(-1)).exp(), 0.0)
     return probs.sum(2).unflatten(-1, (topk_pools, kpool)).sum(-1)
 
 
@@ -78,13 +84,14 @@ def kl_and_grads(index_q, pool_keys, head_weights, pools, valid, target, *, inde
 
     index_q [B,t,Hi,Di], head_weights [B,t,Hi] (one query chunk), pool_keys [B,P,Di] (all pools),
     pools long [B,t,S] (None: pools 0..S-1 for every query), valid bool [B,t,S], target [B,t,S]
-    summing to 1 (or 0) over the valid pools. Returns (kl fp32 [B,t], d_index_q fp32,
-    d_pool_keys fp32 [B,P,Di], d_head_weights fp32).
+    summing to 1 (or 0) over the valid pools. Returns (kl [B,t], d_index_q, d_pool_keys [B,P,Di],
+    d_head_weights), all in `wide(index_q.dtype)`.
     """
+    dtype = wide(index_q.dtype)
     with torch.enable_grad():
-        iq = index_q.detach().float().requires_grad_()
-        pk = pool_keys.detach().float().requires_grad_()
-        w = head_weights.detach().float().requires_grad_()
+        iq = index_q.detach().to(dtype).requires_grad_()
+        pk = pool_keys.detach().to(dtype).requires_grad_()
+        w = head_weights.detach().to(dtype).requires_grad_()
         if pools is None:
             scores = torch.einsum("bthd,bsd->bths", iq, pk[:, : valid.shape[-1]])
         else:
@@ -93,6 +100,7 @@ def kl_and_grads(index_q, pool_keys, head_weights, pools, valid, target, *, inde
         logits = torch.einsum("bth,bths->bts", w, F.relu(scores * index_scale))
         # A finite floor, not -inf: a query with no valid pool must give zero gradient, not NaN.
         logp = logits.masked_fill(~valid, torch.finfo(logits.dtype).min).log_softmax(-1)
+        target = target.to(dtype)
         kl = (torch.xlogy(target, target) - target * logp).sum(-1)
         grads = torch.autograd.grad(kl.sum() * grad_scale, (iq, pk, w))
     return (kl.detach(), *grads)
@@ -116,14 +124,16 @@ def indexer_loss_reference(
     """The "dsa_indexer_loss" op (docs/ops.md): the sparse-stage KL per query and its gradient.
 
     -> (kl fp32 [B,T], d_index_q, d_pool_keys, d_head_weights), the gradients of
-    grad_scale * kl.sum() in the dtypes of index_q, pool_keys, head_weights.
+    grad_scale * kl.sum() in the dtypes of index_q, pool_keys, head_weights. Computed in fp32
+    (in float64 for float64 inputs).
     """
     batch, seq, heads, latent = q.shape
     step = max(1, _CHUNK_ELEMENTS // max(1, batch * topk_pools * kpool * max(latent, heads)))
-    kl = torch.zeros(batch, seq, dtype=torch.float32, device=q.device)
-    d_iq = torch.zeros(index_q.shape, dtype=torch.float32, device=q.device)
-    d_pk = torch.zeros(pool_keys.shape, dtype=torch.float32, device=q.device)
-    d_w = torch.zeros(head_weights.shape, dtype=torch.float32, device=q.device)
+    dtype = wide(index_q.dtype)
+    kl = torch.zeros(batch, seq, dtype=dtype, device=q.device)
+    d_iq = torch.zeros(index_q.shape, dtype=dtype, device=q.device)
+    d_pk = torch.zeros(pool_keys.shape, dtype=dtype, device=q.device)
+    d_w = torch.zeros(head_weights.shape, dtype=dtype, device=q.device)
     for t0 in range(0, seq, step):
         t1 = min(seq, t0 + step)
         idx = indices[:, t0:t1]
@@ -149,7 +159,8 @@ def dense_target(q, kv, t0: int, *, scale: float, kpool: int) -> tuple[torch.Ten
     t1 = t0 + rows
     n_pools = t1 // kpool
     pos = torch.arange(t0, t1, device=q.device)
-    scores = torch.einsum("bthd,bjd->bthj", q.float(), kv[:, :t1].float()) * scale
+    dtype = wide(q.dtype)
+    scores = torch.einsum("bthd,bjd->bthj", q.to(dtype), kv[:, :t1].to(dtype)) * scale
     visible = torch.arange(t1, device=q.device) <= pos[:, None]  # [t, t1]
     probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1).sum(2)  # [B, t, t1]
     mass = probs[..., : n_pools * kpool].unflatten(-1, (n_pools, kpool)).sum(-1)
@@ -166,10 +177,11 @@ def indexer_dense_loss(index_q, pool_keys, head_weights, q, kv, *, kpool: int, i
     batch, seq, heads, _ = q.shape
     n_pools = pool_keys.shape[1]
     step = max(1, _CHUNK_ELEMENTS // max(1, batch * seq * max(heads, index_q.shape[2])))
-    kl = torch.zeros(batch, seq, dtype=torch.float32, device=q.device)
-    d_iq = torch.zeros(index_q.shape, dtype=torch.float32, device=q.device)
-    d_pk = torch.zeros(pool_keys.shape, dtype=torch.float32, device=q.device)
-    d_w = torch.zeros(head_weights.shape, dtype=torch.float32, device=q.device)
+    dtype = wide(index_q.dtype)
+    kl = torch.zeros(batch, seq, dtype=dtype, device=q.device)
+    d_iq = torch.zeros(index_q.shape, dtype=dtype, device=q.device)
+    d_pk = torch.zeros(pool_keys.shape, dtype=dtype, device=q.device)
+    d_w = torch.zeros(head_weights.shape, dtype=dtype, device=q.device)
     for t0 in range(0, seq, step):
         t1 = min(seq, t0 + step)
         target, valid = dense_target(q[:, t0:t1], kv, t0, scale=scale, kpool=kpool)
