@@ -98,32 +98,25 @@ class DSAAttention(nn.Module):
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.einsum("bthd,hdl->bthl", q, w_uk)
         switch = self.indexer_loss if self.indexer is not None else None
-        proj = None
         if self.indexer is None:
             if topk is None:
                 raise ValueError(
                     f"layer {self.layer_idx}: a shared-indexer DSA layer needs the previous full layer's top-k"
                 )
-        elif switch is None:
-            topk = self.indexer(x, q_resid)
-        elif switch.mode == DENSE:
+        elif switch is not None and switch.mode == DENSE:
             topk = dense_warmup(self.indexer, x, q_resid, q_latent, latent, scale=self.scale, switch=switch)
-        elif torch.is_grad_enabled():
-            # Detached inputs: the KL trains the indexer's own parameters and nothing upstream.
-            proj = self.indexer.project(x.detach(), q_resid.detach())
-            topk = self.indexer.select(proj)
         else:
             topk = self.indexer(x, q_resid)
         if self.recall_probe is not None and self.indexer is not None:
             self.recall_probe.measure(self.layer_idx, q_latent, latent, topk, scale=self.scale, width=self.indexer.cfg.width)
-        if proj is None:
-            o_latent = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale)
-        else:
+        # The sparse indexer loss needs the attention's lse, and a backward to run in.
+        sparse_loss = switch is not None and switch.mode != DENSE and torch.is_grad_enabled()
+        if sparse_loss:
             o_latent, lse = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale, return_lse=True)
+        else:
+            o_latent = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale)
         o = torch.einsum("bthl,hvl->bthv", o_latent, w_uv).reshape(batch, seq, -1)
         out = self.o_proj(o)
-        if proj is not None:
-            out = attach_indexer_loss(
-                out, proj, q_latent, latent, topk, lse, layer_idx=self.layer_idx, cfg=self.indexer.cfg, scale=self.scale, switch=switch
-            )
+        if sparse_loss:
+            out = attach_indexer_loss(out, self.indexer, x, q_resid, q_latent, latent, topk, lse, scale=self.scale, switch=switch)
         return out, topk

@@ -108,12 +108,18 @@ class Indexer(nn.Module):
         weights = (logits.float() + self.index_kpool_compress_ape.float()).softmax(dim=2).to(keys.dtype)
         return (weights * keys).sum(dim=2)
 
-    def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> IndexerProjections:
-        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank]."""
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index_q [B,T,Hi,Di], head_weights fp32 [B,T,Hi]) of the tokens of x [B,T,hidden] and
+        q_resid [B,T,q_lora_rank]: per token, so any slice of queries can be computed alone."""
         batch, seq = x.shape[:2]
         index_q = self.wq_b(q_resid).view(batch, seq, -1, self.cfg.head_dim)
         # Scaled by the configured head count, so a head-sliced indexer scores like the whole one.
         head_weights = self.weights_proj(x).float() * self.cfg.n_heads**-0.5
+        return index_q, head_weights
+
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> IndexerProjections:
+        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank]."""
+        index_q, head_weights = self.queries(x, q_resid)
         return IndexerProjections(index_q, self.pool_keys(x), head_weights)
 
     @property

@@ -20,6 +20,11 @@ with respect to the indexer's three projections in one pass: no second pass, not
 Gradients reach only the indexer's own parameters: its inputs are detached, and the target is a
 constant. How the loss enters training: `IndexerLossSwitch` (set on a DSA layer from outside,
 genolong/train/indexer.py) and `attach_indexer_loss` (the sparse stage's backward hook).
+
+Memory: the sparse stage keeps nothing of the indexer from the forward (the top-k runs under
+no_grad as when frozen); the backward recomputes the indexer's projections from the layer's own
+saved inputs, the queries in chunks, so its extra memory at 512k is the pooled keys' graph and
+one chunk, not [T x ...] indexer activations.
 """
 
 from __future__ import annotations
@@ -222,36 +227,76 @@ class IndexerLossSwitch:
         return self.coeff * self.weight / n_queries
 
 
+# Queries per step of the sparse loss's backward: the indexer's projections are recomputed for
+# this many queries at a time (glm53-mini: index_q 32 MiB), so they never exist for all 512k.
+LOSS_QUERY_CHUNK = 32768
+
+
+def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: float, grad_scale: float):
+    """The sparse KL of one layer and the gradient of grad_scale * its sum for every parameter of
+    `indexer` (None where unused) -> (KL summed over queries, [gradients]).
+
+    The projections are recomputed here from the layer's (detached) x and q_resid, the queries'
+    in chunks of LOSS_QUERY_CHUNK: nothing of the indexer is kept from the forward, and the largest
+    indexer tensor alive is one chunk's, plus the pooled keys' small graph.
+    """
+    cfg, params = indexer.cfg, list(indexer.parameters())
+    grads: list[torch.Tensor | None] = [None] * len(params)
+
+    def add(new):
+        for i, g in enumerate(new):
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i] + g
+
+    with torch.enable_grad():
+        pool_keys = indexer.pool_keys(x)
+    d_pool_keys = torch.zeros(pool_keys.shape, dtype=wide(pool_keys.dtype), device=pool_keys.device)
+    kl_sum = 0.0
+    for t0 in range(0, q.shape[1], LOSS_QUERY_CHUNK):
+        t1 = min(q.shape[1], t0 + LOSS_QUERY_CHUNK)
+        with torch.enable_grad():
+            index_q, head_weights = indexer.queries(x[:, t0:t1], q_resid[:, t0:t1])
+        kl, d_iq, d_pk, d_w = ops.call(
+            "dsa_indexer_loss", indexer.layer_idx, index_q.detach(), pool_keys.detach(), head_weights.detach(),
+            q[:, t0:t1], kv, indices[:, t0:t1], lse[:, t0:t1],
+            kpool=cfg.kpool, topk_pools=cfg.topk_pools, index_scale=indexer.softmax_scale, scale=scale, grad_scale=grad_scale,
+        )
+        add(torch.autograd.grad((index_q, head_weights), params, (d_iq, d_w), allow_unused=True))
+        d_pool_keys += d_pk
+        kl_sum = kl_sum + kl.sum()
+    add(torch.autograd.grad(pool_keys, params, d_pool_keys.to(pool_keys.dtype), allow_unused=True))
+    return kl_sum, grads
+
+
 class _AttachIndexerLoss(torch.autograd.Function):
-    """Identity on the layer output; its backward also computes the indexer loss and returns
-    coeff * its gradient for the indexer's projections. Computing it in backward (not forward)
-    means once per step whether or not the layer is recomputed, and nothing leaves the model."""
+    """Identity on the layer output; its backward also computes the layer's indexer loss and
+    returns coeff * its gradient for the indexer's parameters (the trailing inputs). Computing it
+    in backward (not forward) means once per step whether or not the layer is recomputed, nothing
+    kept from the forward but what the layer keeps anyway, and no extra loss leaving the model."""
 
     @staticmethod
-    def forward(ctx, out, index_q, pool_keys, head_weights, q, kv, indices, lse, spec):
-        ctx.save_for_backward(index_q, pool_keys, head_weights, q, kv, indices, lse)
-        layer_idx, cfg, scale, switch = spec
+    def forward(ctx, out, x, q_resid, q, kv, indices, lse, spec, *params):
+        ctx.save_for_backward(x, q_resid, q, kv, indices, lse)
+        indexer, scale, switch = spec
         n_queries = q.shape[0] * q.shape[1]
-        ctx.spec = (layer_idx, cfg, scale, switch, n_queries, switch.grad_scale(n_queries))
+        ctx.spec = (indexer, scale, switch, n_queries, switch.grad_scale(n_queries))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        index_q, pool_keys, head_weights, q, kv, indices, lse = ctx.saved_tensors
-        layer_idx, cfg, scale, switch, n_queries, grad_scale = ctx.spec
-        kl, d_iq, d_pk, d_w = ops.call(
-            "dsa_indexer_loss", layer_idx, index_q, pool_keys, head_weights, q, kv, indices, lse,
-            kpool=cfg.kpool, topk_pools=cfg.topk_pools, index_scale=cfg.head_dim**-0.5, scale=scale, grad_scale=grad_scale,
-        )
-        switch.record(layer_idx, kl.sum(), n_queries)
-        return grad_out, d_iq, d_pk, d_w, None, None, None, None, None
+        x, q_resid, q, kv, indices, lse = ctx.saved_tensors
+        indexer, scale, switch, n_queries, grad_scale = ctx.spec
+        kl_sum, grads = sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, scale=scale, grad_scale=grad_scale)
+        switch.record(indexer.layer_idx, kl_sum, n_queries)
+        return (grad_out, None, None, None, None, None, None, None, *grads)
 
 
-def attach_indexer_loss(out, proj, q, kv, indices, lse, *, layer_idx: int, cfg, scale: float, switch: IndexerLossSwitch):
-    """`out` unchanged; in backward, coeff * the sparse KL's gradient reaches the indexer through `proj`."""
+def attach_indexer_loss(out, indexer, x, q_resid, q, kv, indices, lse, *, scale: float, switch: IndexerLossSwitch):
+    """`out` unchanged; in backward, coeff * the sparse KL's gradient reaches `indexer`'s parameters.
+    Its inputs are detached here: the KL trains the indexer and nothing upstream of it."""
     return _AttachIndexerLoss.apply(
-        out, proj.index_q, proj.pool_keys, proj.head_weights, q.detach(), kv.detach(), indices, lse.detach(),
-        (layer_idx, cfg, scale, switch),
+        out, x.detach(), q_resid.detach(), q.detach(), kv.detach(), indices, lse.detach(), (indexer, scale, switch),
+        *indexer.parameters(),
     )
 
 

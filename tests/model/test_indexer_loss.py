@@ -193,6 +193,43 @@ def test_recompute_computes_the_loss_once_with_the_same_gradients(tiny):
         assert _rel(recomputed[name], plain[name]) < 1e-6, name
 
 
+def _dsa_layer(seed=4):
+    torch.manual_seed(seed)
+    attn = DSAAttention(64, get_preset("tiny", dsa={"indexer": {"topk": 16}}).dsa, 1e-5, layer_idx=0, has_indexer=True).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return attn, torch.randn(2, 90, 64, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("query_chunk", [il.LOSS_QUERY_CHUNK, 7])
+def test_the_layer_gradient_is_the_reference_kl_chained_through_the_indexer(monkeypatch, query_chunk):
+    # What the layer's backward adds to the indexer equals coeff / (B*T) x the gradient of the
+    # reference op's KL, taken through the indexer's projections by plain autograd; the backward
+    # recomputes those projections in query chunks, which must not change anything.
+    monkeypatch.setattr(il, "LOSS_QUERY_CHUNK", query_chunk)
+    attn, x = _dsa_layer()
+    attn.indexer_loss = IndexerLossSwitch(SPARSE, 0.5)
+    attn(x)[0].sum().backward()
+    got = {n: p.grad.clone() for n, p in attn.indexer.named_parameters()}
+    kl_value = attn.indexer_loss.values[0]
+
+    attn.zero_grad(set_to_none=True)
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x)).detach()
+    q = torch.einsum("bthd,hdl->bthl", attn.q_b_proj(q_resid).view(2, 90, -1, attn.qk_head_dim), attn.absorbed_weights()[0]).detach()
+    latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)).detach()
+    proj = attn.indexer.project(x, q_resid)
+    topk = attn.indexer.select(proj)
+    _, lse = sparse_attention_reference(q, latent, topk, scale=attn.scale, return_lse=True)
+    cfg = attn.indexer.cfg
+    kl, *grads = indexer_loss_reference(*proj, q, latent, topk, lse, kpool=cfg.kpool, topk_pools=cfg.topk_pools,
+                                        index_scale=cfg.head_dim**-0.5, scale=attn.scale, grad_scale=0.5 / 180)
+    torch.autograd.backward(list(proj), grads)
+    assert abs(kl_value.item() / (kl.sum().item() / 180) - 1) < 1e-6  # logged in fp32
+    for name, p in attn.indexer.named_parameters():
+        assert _rel(got[name], p.grad) < 1e-10, name
+
+
 def test_dense_warmup_trains_only_the_indexer_in_a_no_grad_forward(tiny):
     tiny.zero_grad(set_to_none=True)
     switch = IndexerLossSwitch(DENSE, 1.0)
