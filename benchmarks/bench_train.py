@@ -12,6 +12,9 @@ Phases, each skipped (and recorded as not run) when the time budget is spent:
 
     source .device/activate.sh && python benchmarks/bench_train.py --data data/bundled \
         --lengths 32k,128k,512k --out $OUT/train.json --budget-s 420
+
+`--indexer-loss-coeff 1` makes every step also train the DSA indexer (its sparse KL loss,
+docs/training.md): run it beside a run without to measure the loss's step-time and memory cost.
 """
 
 from __future__ import annotations

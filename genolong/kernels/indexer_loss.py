@@ -23,7 +23,7 @@ from genolong.model.ops import KernelUnsupported
 
 # fp32 [chunk, S] buffers alive at once in step 3 (mass, scores, target, log-softmax, dscores, temp).
 _BUFFERS = 6
-BUDGET_BYTES = 1 << 30
+BUDGET_BYTES = 512 << 20
 KEYS_PER_BLOCK = 64  # = indexer_loss_triton.KEYS_PER_BLOCK: kpool must divide it
 
 
