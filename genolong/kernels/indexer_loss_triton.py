@@ -154,3 +154,32 @@ def index_backward(index_q, pool_keys, head_weights, indices, dlogits, d_index_q
     _index_backward_kernel[(n,)](
         index_q, pool_keys, head_weights, indices, dlogits, d_index_q, d_pool_keys, d_head_weights, sel, dim, float(index_scale),
         *strides, dlogits.stride(0), **consts, N_BLOCKS=triton.cdiv(sel, POOLS_PER_BLOCK), num_warps=4)
+
+
+def aot_compile(heads: int, latent: int, index_heads: int, index_dim: int, kpool: int, topk_pools: int, arch: int = 90) -> dict:
+    """Compile the three kernels for a GPU architecture without a GPU (the CPU compile check), bf16
+    inputs: {name: compiled kernel}."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    dp = _pow2(latent, 16)
+    mass_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "lse_ptr": "*fp32", "out_ptr": "*fp32", "n_sel": "i32",
+                "dim": "i32", "scale": "fp32", **dict.fromkeys(("stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_lt", "stride_ot"), "i32")}
+    mass_const = dict(H=heads, HP=_pow2(heads, 16), DP=dp, BD=min(LATENT_BLOCK, dp), KPOOL=kpool, BK=KEYS_PER_BLOCK)
+    strides = dict.fromkeys(("stride_qt", "stride_qh", "stride_pk", "stride_wt", "stride_it"), "i32")
+    index_const = dict(HI=index_heads, HIP=_pow2(index_heads, 16), DIP=padded_dim(index_dim), KPOOL=kpool, BS=POOLS_PER_BLOCK)
+    logits_sig = {"iq_ptr": "*bf16", "pk_ptr": "*bf16", "w_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*fp32", "n_sel": "i32",
+                  "dim": "i32", "index_scale": "fp32", **strides, "stride_ot": "i32"}
+    backward_sig = {"iq_ptr": "*bf16", "pk_ptr": "*bf16", "w_ptr": "*fp32", "idx_ptr": "*i32", "dl_ptr": "*fp32", "diq_ptr": "*bf16",
+                    "dpk_ptr": "*fp32", "dw_ptr": "*fp32", "n_sel": "i32", "dim": "i32", "index_scale": "fp32", **strides, "stride_dt": "i32"}
+    backward_const = {**index_const, "N_BLOCKS": triton.cdiv(topk_pools, POOLS_PER_BLOCK)}
+    builds = {
+        "pool_mass": (_pool_mass_kernel, mass_sig, mass_const),
+        "index_logits": (_index_logits_kernel, logits_sig, index_const),
+        "index_backward": (_index_backward_kernel, backward_sig, backward_const),
+    }
+    return {
+        name: triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const), target=target, options={"num_warps": 4})
+        for name, (fn, sig, const) in builds.items()
+    }

@@ -8,6 +8,10 @@ afterwards. That is the hot op "dsa_sparse_attention" (docs/ops.md), restricted 
 indexer's selection; `sparse_attention_reference` below is its oracle, chunked over queries.
 
 Head counts come from the weights (kv_b_proj's rows), so a caller may run a subset of heads.
+
+The indexer is frozen unless `indexer_loss` is set from outside (genolong/train/indexer.py):
+then the layer also trains it with its KL loss (genolong/model/indexer_loss.py), and a
+`recall_probe` measures how much dense attention the selection keeps.
 """
 
 from __future__ import annotations

@@ -123,3 +123,18 @@ def test_query_chunks_follow_the_budget_not_the_length():
     # The layer's backward calls the op for LOSS_QUERY_CHUNK queries at a time: one kernel chunk each.
     assert fused.chunk_rows(512) >= LOSS_QUERY_CHUNK
     assert fused.chunk_rows(512, budget_bytes=1) == 16
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("shape", [(4, 512, 4, 128), (64, 512, 32, 128)], ids=["glm53-mini", "glm-5.3-flash"])
+def test_triton_kernels_compile_for_sm90_without_spills(shape):
+    # The interpreter runs the kernels' logic; lowering for Hopper (dot shapes, bf16, atomics) is
+    # only checked by a real compile, which needs no GPU.
+    from genolong.kernels import indexer_loss_triton
+
+    kernels = indexer_loss_triton.aot_compile(*shape, kpool=4, topk_pools=512)
+    for name, kernel in kernels.items():
+        ptx = kernel.asm["ptx"]
+        assert "mma" in ptx, f"{name}: the products do not run on tensor cores"
+        assert ".local" not in ptx, f"{name}: registers spill to local memory"
+    assert "atom" in kernels["index_backward"].asm["ptx"]
