@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-# Upper bound on dense-score elements per chunk of sampled queries (fp32: 64 MiB).
+# Upper bound on dense-score elements per key block (fp32: 64 MiB): 16k keys for 256 queries x 4 heads.
 _SCORE_ELEMENTS = 1 << 24
 
 
@@ -23,25 +23,39 @@ def sample_queries(seq: int, width: int, n: int, device=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def selection_recall(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, positions: torch.Tensor, *, scale: float) -> torch.Tensor:
+def selection_recall(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, positions: torch.Tensor, *, scale: float,
+                     key_block: int | None = None) -> torch.Tensor:
     """Per sampled query, the dense attention mass on its selected keys, averaged over heads.
 
     q [B,T,H,Dl], kv [B,T,Dl] (keys = values = the latent), indices [B,T,W], positions long [n]
-    -> fp32 [B, n] in [0, 1].
+    -> fp32 [B, n] in [0, 1]. One pass over blocks of keys with a running max (online softmax):
+    the largest tensors are one block's [B, n, H, block] scores and its keys in fp32.
     """
     batch, _, heads, _ = q.shape
-    step = max(1, _SCORE_ELEMENTS // max(1, batch * heads * kv.shape[1]))
-    out = []
-    for i in range(0, positions.numel(), step):
-        pos = positions[i : i + step]
-        last = int(pos.max()) + 1
-        scores = torch.einsum("bnhd,bjd->bnhj", q[:, pos].float(), kv[:, :last].float()) * scale
-        visible = torch.arange(last, device=q.device) <= pos[:, None]
-        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
-        idx = indices[:, pos].long()  # [B, n, W]
-        picked = probs.gather(-1, idx.clamp(min=0).unsqueeze(2).expand(-1, -1, heads, -1))
-        out.append((picked * (idx >= 0).unsqueeze(2)).sum(-1).mean(-1))
-    return torch.cat(out, dim=1)
+    n = positions.numel()
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    queries = q[:, positions].to(dtype)  # [B, n, H, Dl]
+    idx = indices[:, positions].long()  # [B, n, W]
+    block = key_block or max(1, _SCORE_ELEMENTS // max(1, batch * n * heads))
+    top = torch.full((batch, n, heads), float("-inf"), dtype=dtype, device=q.device)
+    total = torch.zeros_like(top)
+    picked = torch.zeros_like(top)
+    for k0 in range(0, int(positions.max()) + 1, block):
+        k1 = min(int(positions.max()) + 1, k0 + block)
+        scores = torch.einsum("bnhd,bjd->bnhj", queries, kv[:, k0:k1].to(dtype)) * scale
+        visible = torch.arange(k0, k1, device=q.device) <= positions[:, None]  # [n, block]
+        scores = scores.masked_fill(~visible[None, :, None], float("-inf"))
+        in_block = (idx >= k0) & (idx < k1)
+        selected = torch.zeros(batch, n, k1 - k0, dtype=torch.int32, device=q.device)
+        selected.scatter_add_(2, (idx - k0).clamp(0, k1 - k0 - 1), in_block.to(torch.int32))
+        # Key 0 is in the first block and visible to every query, so `top` is finite from then on.
+        new_top = torch.maximum(top, scores.amax(-1))
+        rescale = (top - new_top).exp()
+        probs = (scores - new_top.unsqueeze(-1)).exp()
+        total = total * rescale + probs.sum(-1)
+        picked = picked * rescale + (probs * (selected > 0).unsqueeze(2)).sum(-1)
+        top = new_top
+    return (picked / total).mean(-1).float()
 
 
 class RecallProbe:

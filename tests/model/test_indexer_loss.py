@@ -285,7 +285,8 @@ def test_the_indexer_learns_where_attention_looks():
 def test_recall_is_the_dense_mass_on_the_selection():
     q, kv, _, _, _, idx = _case(seq=60, kpool=4, topk_pools=3)
     pos = torch.tensor([20, 33, 59])
-    got = selection_recall(q, kv, idx, pos, scale=0.3)
+    got = selection_recall(q, kv, idx, pos, scale=0.3, key_block=7)  # 9 blocks, the online softmax
+    assert torch.allclose(got, selection_recall(q, kv, idx, pos, scale=0.3), atol=1e-6)
     for b in range(2):
         for i, t in enumerate(pos.tolist()):
             probs = torch.softmax(0.3 * q[b, t] @ kv[b, : t + 1].T, -1)
