@@ -9,6 +9,8 @@
 2. At each size: the fused op alone (the loss and gradient of every query of one layer), and a
    glm53-mini DSA layer (fused indexer top-k + TileLang attention) forward + backward without and
    with the indexer loss (coeff 1): extra ms and extra peak GiB above the inputs.
+3. At --warmup-sizes (16k): the dense warm-up, a DSA layer forward under no_grad without and with
+   the dense KL and its backward into the indexer (O(T^2): PyTorch, chunked over queries).
 The whole-step overhead is measured by benchmarks/bench_train.py --indexer-loss-coeff 1; the
 "11 layers" column here is only the layer overhead times glm53-mini's 11 DSA layers.
 Time: ~2.5 min on the H200 with the kernel caches warm (a first TileLang build adds ~1.5 min).
@@ -34,7 +36,7 @@ from bench_kernels import SIZES, fwd_bwd, init_, measure  # noqa: E402
 import genolong.kernels  # noqa: E402
 from genolong.model import get_preset, ops  # noqa: E402
 from genolong.model.dsa import DSAAttention  # noqa: E402
-from genolong.model.indexer_loss import IndexerLossSwitch, SPARSE  # noqa: E402
+from genolong.model.indexer_loss import DENSE, SPARSE, IndexerLossSwitch  # noqa: E402
 
 DEV = "cuda"
 DTYPE = torch.bfloat16
@@ -93,6 +95,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="128k,512k")
     ap.add_argument("--check-seq", type=int, default=16384)
+    ap.add_argument("--warmup-sizes", default="16k")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=220)
     ap.add_argument("--out", type=Path, default=Path("runs/indexer_loss"))
@@ -149,6 +152,27 @@ def main() -> int:
         table.append(f"| {name} | {op_ms:.1f} ms / {op_gib:.2f} GiB | {base_ms:.1f} ms / {base_gib:.2f} GiB | {loss_ms:.1f} ms / "
                      f"{loss_gib:.2f} GiB | +{loss_ms - base_ms:.1f} ms ({row['extra_pct']:+.1f}%) | {loss_gib - base_gib:+.2f} GiB | "
                      f"+{n_dsa * (loss_ms - base_ms) / 1000:.2f} s |")
+        del attn, x
+        torch.cuda.empty_cache()
+    for name in [s for s in args.warmup_sizes.split(",") if s]:
+        seq = SIZES[name]
+        if time.monotonic() - start > args.budget_s - 30:
+            summary["not_run"].append(f"warm-up {name}: time budget")
+            continue
+        attn = layer(cfg)
+        x = (torch.randn(1, seq, cfg.hidden, device=DEV) * 0.5).to(DTYPE)
+
+        def forward():
+            with torch.no_grad():
+                attn(x)
+
+        base_ms, base_gib = measure(forward, args.reps)
+        attn.indexer_loss = IndexerLossSwitch(DENSE, 1.0)
+        dense_ms, dense_gib = measure(forward, args.reps)
+        record({"phase": "warmup", "seq": seq, "forward_ms": base_ms, "dense_warmup_ms": dense_ms, "extra_ms": dense_ms - base_ms,
+                "forward_peak_gib": base_gib, "dense_warmup_peak_gib": dense_gib})
+        table.append(f"| {name} warm-up | - | fwd (no_grad) {base_ms:.1f} ms / {base_gib:.2f} GiB | + dense KL {dense_ms:.1f} ms / "
+                     f"{dense_gib:.2f} GiB | +{dense_ms - base_ms:.1f} ms | {dense_gib - base_gib:+.2f} GiB | +{n_dsa * (dense_ms - base_ms) / 1000:.2f} s |")
         del attn, x
         torch.cuda.empty_cache()
     summary["table"] = table

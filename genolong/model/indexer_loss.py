@@ -187,9 +187,10 @@ def indexer_dense_loss(index_q, pool_keys, head_weights, q, kv, *, kpool: int, i
     d_iq = torch.zeros(index_q.shape, dtype=dtype, device=q.device)
     d_pk = torch.zeros(pool_keys.shape, dtype=dtype, device=q.device)
     d_w = torch.zeros(head_weights.shape, dtype=dtype, device=q.device)
+    kv_wide = kv.to(wide(q.dtype))  # once, not once per query chunk
     for t0 in range(0, seq, step):
         t1 = min(seq, t0 + step)
-        target, valid = dense_target(q[:, t0:t1], kv, t0, scale=scale, kpool=kpool)
+        target, valid = dense_target(q[:, t0:t1], kv_wide, t0, scale=scale, kpool=kpool)
         visible = min(valid.shape[-1], n_pools)
         kl[:, t0:t1], d_iq[:, t0:t1], pk, d_w[:, t0:t1] = kl_and_grads(
             index_q[:, t0:t1], pool_keys, head_weights[:, t0:t1], None, valid[..., :visible], target[..., :visible],
