@@ -23,6 +23,7 @@ FUSED = {
     "kda": [("fla_chunk_kda", "genolong.kernels.kda_fla", "kda_fla")],
     "kda_short_conv": [("fla_causal_conv1d", "genolong.kernels.kda_conv_fla", "short_conv_fla")],
     "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe_grouped", "moe_experts_grouped")],
+    "dsa_indexer_loss": [("triton_pool_kl", "genolong.kernels.indexer_loss", "dsa_indexer_loss_fused")],
 }
 
 # The references live beside the layers that use them; importing those modules registers them.
