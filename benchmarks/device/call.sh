@@ -23,6 +23,9 @@ for stage in "$@"; do
     kernels512k) cmd="python3 benchmarks/bench_kernels.py --sizes 512k --indexer-extra '' --skip-parity --no-indexer ${KERNELS_ARGS:-} --out $OUT/kernels" ;;
     ablation) cmd="python3 benchmarks/bench_memory_ablation.py --data /tmp/bundled ${ABLATION_ARGS:-} --out $OUT/ablation.jsonl" ;;
     train) cmd="python3 benchmarks/bench_train.py --data /tmp/bundled ${TRAIN_ARGS:-} --out $OUT/train.json" ;;
+    fastops) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_fastops.py" ;;
+    compile128k) cmd="python3 benchmarks/bench_compile_step.py --data /tmp/bundled --seq 128k --out $OUT/compile128k" ;;
+    reallayers) cmd="python3 benchmarks/bench_real_layers.py --budget-s $(( limit - 40 )) --out $OUT/reallayers" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)
