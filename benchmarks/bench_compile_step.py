@@ -8,6 +8,9 @@
    compiled step that includes compilation), full memory stack, fused kernels, real DNA when
    --data is given: median step time, tokens/s, peak GiB, and the compile time.
 3. One compiled step under torch.profiler, GPU time by kind of work (profile_step.py's categories).
+4. mHC's 24-logit projection alone at --seq (forward + backward, [T, 4 x hidden] x [4 x hidden, 24]):
+   as the model runs it, with the weight padded to 32 rows, and with the weight stored transposed,
+   beside the memory-bound floor (the bytes a fwd + bwd must move at 4.3 TB/s).
 Rows go to <out>/compile_step.jsonl as they are measured; a summary prints last. About 5 min at
 128k on an H200 (plus ~2 min of TileLang builds on a machine without the .kcache).
 """
@@ -69,6 +72,30 @@ def profile_categories(bench: Bench, seq: int, out: Path) -> dict:
     return {k: round(v, 1) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}
 
 
+def projection_variants(hidden: int, streams: int, seq: int) -> dict:
+    """ms of the mHC projection's forward + backward in three layouts, and the memory-bound floor."""
+    from bench_kernels import measure
+
+    flat = torch.randn(seq, streams * hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fn = (torch.randn(streams * (streams + 2), streams * hidden, device="cuda") * 0.02).bfloat16().requires_grad_()
+    fn32 = torch.nn.functional.pad(fn.detach(), (0, 0, 0, 32 - fn.shape[0])).requires_grad_()
+    fn_t = fn.detach().t().contiguous().requires_grad_()
+    cases = {
+        "F.linear(flat, fn[24])": lambda: torch.nn.functional.linear(flat, fn),
+        "F.linear(flat, fn padded to 32)[:, :24]": lambda: torch.nn.functional.linear(flat, fn32)[:, :24],
+        "flat @ fn_t (weight stored [K, 24])": lambda: flat @ fn_t,
+    }
+    out = {}
+    for name, fwd in cases.items():
+        def both(fwd=fwd):
+            flat.grad = None
+            fwd().float().sum().backward()
+        out[name] = round(measure(both, 5)[0], 3)
+    # Forward reads flat; backward reads flat (weight grad) and writes its gradient.
+    out["memory-bound floor"] = round(3 * flat.numel() * 2 / 4.3e12 * 1e3, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=None)
@@ -77,6 +104,7 @@ def main() -> None:
     ap.add_argument("--parity-seq", default="8k")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-projection", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("runs/compile_step"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -95,10 +123,14 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke test)"
     print(f"device {device}, torch {torch.__version__}, real DNA: {data is not None}", flush=True)
 
+    seq = parse_length(args.seq)
+    if not args.no_projection:
+        record({"phase": "mhc projection fwd+bwd ms", "seq_len": seq,
+                **projection_variants(bench.config.hidden, bench.config.mhc.num_streams, seq)})
+
     parity_window = bench.window(parse_length(args.parity_seq), 7)
     eager_loss, eager_grads = loss_and_grads(bench, parity_window)
 
-    seq = parse_length(args.seq)
     eager = [bench.step(bench.window(seq, k)) for k in range(args.steps + 1)][1:]  # step 1 builds kernels
     for r in eager:
         record({"phase": "eager", **r})
