@@ -69,16 +69,18 @@ SIZES = {"64k": 65536, "128k": 131072}
 K128 = 131072
 
 
-def init_(module: torch.nn.Module) -> torch.nn.Module:
-    """Random weights (std 0.02) in bf16, except the parameters the model keeps in fp32."""
+def init_(build) -> torch.nn.Module:
+    """build() on the GPU (the 288-expert MoE is 29 GB in fp32: no host copy), random weights
+    (std 0.02), cast to bf16 except the parameters the model keeps in fp32."""
+    with torch.device(DEV):
+        module = build()
     with torch.no_grad():
-        for p in module.parameters():
+        for name, p in module.named_parameters():
             if p.ndim >= 2:
                 p.normal_(0.0, 0.02)
-    module.to(DEV, torch.bfloat16)
-    for name, p in module.named_parameters():
-        if keeps_fp32("." + name):
-            p.data = p.data.float()
+            if not keeps_fp32("." + name):
+                p.data = p.data.to(torch.bfloat16)
+    torch.cuda.empty_cache()  # the fp32 originals
     return module
 
 
@@ -168,7 +170,7 @@ def layer_cells(run: Run, size: str, reps: int, tp: int) -> None:
     heads = c.kda.num_heads
 
     def kda(c=c):
-        layer = init_(KimiDeltaAttention(c.hidden, c.kda, c.rms_eps, 0))
+        layer = init_(lambda: KimiDeltaAttention(c.hidden, c.kda, c.rms_eps, 0))
         x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         f, b = fwd_bwd(layer, x)
         return f, b, 3 * flops.kda_forward(c, seq)
@@ -177,7 +179,7 @@ def layer_cells(run: Run, size: str, reps: int, tp: int) -> None:
     run.cell(f"sdpa-kda{heads}", size, lambda c=c: sdpa(c.kda.num_heads, c.kda.head_dim, c.kda.head_dim, seq), reps)
 
     def dsa(c=c):
-        layer = init_(DSAAttention(c.hidden, c.dsa, c.rms_eps, 3, has_indexer=True))
+        layer = init_(lambda: DSAAttention(c.hidden, c.dsa, c.rms_eps, 3, has_indexer=True))
         x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         f, b = fwd_bwd(layer, x, lambda o: o[0])
         attn, index = flops.dsa_forward(c, seq)
@@ -209,7 +211,7 @@ def moe_cell(run: Run, size: str, reps: int, local_experts: int) -> None:
     tokens = seq * local_experts // 288
 
     def moe():
-        block = init_(MoE(c.hidden, c.moe, 3))
+        block = init_(lambda: MoE(c.hidden, c.moe, 3))
         x = torch.randn(1, tokens, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         f, b = fwd_bwd(block, x)
         return f, b, 3 * flops.mlp_forward(c, 3, tokens)
@@ -222,7 +224,7 @@ def mlp_cell(run: Run, size: str, reps: int) -> None:
     c = config(8)
 
     def mlp():
-        block = init_(DenseMLP(c.hidden, c.dense_mlp.intermediate_size, c.dense_mlp.swiglu_limit))
+        block = init_(lambda: DenseMLP(c.hidden, c.dense_mlp.intermediate_size, c.dense_mlp.swiglu_limit))
         x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         f, b = fwd_bwd(block, x)
         return f, b, 3 * flops.mlp_forward(c, 0, seq)
@@ -237,7 +239,7 @@ def mhc_cells(run: Run, size: str, reps: int, compiled: bool) -> None:
     c = config(8)
 
     def mhc():
-        hcs = [init_(HyperConnection(c.hidden, c.mhc, c.rms_eps)) for _ in range(2)]
+        hcs = [init_(lambda: HyperConnection(c.hidden, c.mhc, c.rms_eps)) for _ in range(2)]
         if compiled:
             for hc in hcs:
                 apply_compile(hc)
