@@ -88,6 +88,21 @@ def _group_max_kernel(q_ptr, k_ptr, w_ptr, out_ptr, n_rows, t0, n_pools, n_group
 
 
 @triton.jit
+def _score_candidates(q, w, k_ptr, gidx_row, gval_row, out_row, c, n_cand, n_pools, t, scale, stride_kp,
+                      KPOOL: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """Exact scores of the candidate pools c of one query (pool G * gidx[c // G] + c % G), written
+    to out_row[c]; -inf for candidates past n_cand, of an empty group or not yet visible at t."""
+    cm = c < n_cand
+    gi = tl.load(gidx_row + c // G, mask=cm, other=0)
+    gv = tl.load(gval_row + c // G, mask=cm, other=float("-inf"))
+    p = gi * G + c % G
+    ok = cm & (gv > float("-inf")) & (p < n_pools) & ((p + 1) * KPOOL <= t + 1)
+    k = tl.load(k_ptr + p[:, None] * stride_kp + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    sc = tl.sum(tl.maximum(tl.dot(q, tl.trans(k)) * scale, 0.0) * w[:, None], axis=0)
+    tl.store(out_row + c, tl.where(ok, sc, float("-inf")), mask=cm)
+
+
+@triton.jit
 def _candidate_kernel(q_ptr, k_ptr, w_ptr, gidx_ptr, gval_ptr, out_ptr, t0, n_pools, n_cand, scale,
                       stride_qt, stride_qh, stride_kp, stride_wt, stride_gt, stride_ot,
                       KPOOL: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
@@ -99,16 +114,8 @@ def _candidate_kernel(q_ptr, k_ptr, w_ptr, gidx_ptr, gval_ptr, out_ptr, t0, n_po
     q = tl.load(q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
     w = tl.load(w_ptr + row * stride_wt + h, mask=h < H, other=0.0)
     for i in range(N_BLOCKS):
-        c = i * BC + tl.arange(0, BC)
-        cm = c < n_cand
-        gi = tl.load(gidx_ptr + row * stride_gt + c // G, mask=cm, other=0)
-        gv = tl.load(gval_ptr + row * stride_gt + c // G, mask=cm, other=float("-inf"))
-        p = gi * G + c % G
-        ok = cm & (gv > float("-inf")) & (p < n_pools) & ((p + 1) * KPOOL <= t + 1)
-        k = tl.load(k_ptr + p[:, None] * stride_kp + d[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))
-        sc = tl.sum(tl.maximum(s * scale, 0.0) * w[:, None], axis=0)
-        tl.store(out_ptr + row * stride_ot + c, tl.where(ok, sc, float("-inf")), mask=cm)
+        _score_candidates(q, w, k_ptr, gidx_ptr + row * stride_gt, gval_ptr + row * stride_gt, out_ptr + row * stride_ot,
+                          i * BC + tl.arange(0, BC), n_cand, n_pools, t, scale, stride_kp, KPOOL=KPOOL, D=D, G=G)
 
 
 def block_queries(heads_padded: int) -> int:
@@ -307,16 +314,10 @@ def _select_kernel(q_ptr, k_ptr, w_ptr, gidx_ptr, gval_ptr, scratch_ptr, out_ptr
     d = tl.arange(0, D)
     q = tl.load(q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
     w = tl.load(w_ptr + row * stride_wt + h, mask=h < H, other=0.0)
+    # The softmax scale is folded into w by the caller (1.0 here).
     for i in range(N_BLOCKS):
-        c = i * BC + tl.arange(0, BC)
-        cm = c < n_cand
-        gi = tl.load(gidx_ptr + row * stride_gt + c // G, mask=cm, other=0)
-        gv = tl.load(gval_ptr + row * stride_gt + c // G, mask=cm, other=float("-inf"))
-        p = gi * G + c % G
-        ok = cm & (gv > float("-inf")) & (p < n_pools) & ((p + 1) * KPOOL <= t + 1)
-        k = tl.load(k_ptr + p[:, None] * stride_kp + d[None, :], mask=ok[:, None], other=0.0)
-        sc = tl.sum(tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None], axis=0)
-        tl.store(scratch_ptr + row * stride_st + c, tl.where(ok, sc, float("-inf")), mask=cm)
+        _score_candidates(q, w, k_ptr, gidx_ptr + row * stride_gt, gval_ptr + row * stride_gt, scratch_ptr + row * stride_st,
+                          i * BC + tl.arange(0, BC), n_cand, n_pools, t, 1.0, stride_kp, KPOOL=KPOOL, D=D, G=G)
     # The scores were written by other threads of this program; the barrier makes them visible.
     tl.debug_barrier()
 
