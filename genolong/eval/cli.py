@@ -17,7 +17,7 @@ def eval_positional(
         str,
         typer.Option(help="The fine-tuned model: a finetune run (RUN = its latest checkpoint, RUN@STEP), a run checkpoint or a model directory."),
     ],
-    out: Annotated[Path, typer.Option(help="Output directory: positional.{csv,json,png}, summary.txt, partial.jsonl.")],
+    out: Annotated[Path, typer.Option(help="Output directory (positional.csv, .json, .png, summary.txt, partial.jsonl).")],
     baseline: Annotated[
         Optional[str],
         typer.Option(help="The model before fine-tuning (same forms as --checkpoint). Default: the run's step 0, else the model it started from."),
@@ -62,13 +62,13 @@ def eval_positional(
 ) -> None:
     """Held-out loss by position in the window, before vs after fine-tuning, with context controls.
 
-    Tiles the holdout split into windows of --seq and scores each with the baseline
-    and the checkpoint, in bits per base over A, C, G, T (N targets are masked).
-    Per --bucket: both losses beside a uniform (2 bits) and a k-mer Markov
-    baseline, the change vs the baseline with 95% bootstrap intervals over
-    windows, the same under the truncated and shuffled-context controls, and
-    repeat vs non-repeat bases. Resumable: rerun the same command after an
-    interruption. See docs/eval.md.
+    Tiles the holdout split into windows of --seq and scores each with the
+    baseline and the checkpoint, in bits per base over A, C, G, T (N targets
+    are masked). Per --bucket: both losses beside a uniform (2 bits) and a
+    k-mer Markov baseline, the change vs the baseline with 95% bootstrap
+    intervals over windows, the same under the truncated and shuffled-context
+    controls, and repeat vs non-repeat bases. Resumable: rerun the same
+    command after an interruption. See docs/eval.md.
     """
     import torch
 
