@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from genolong.errors import GenolongError
-from genolong.units import parse_length
+from genolong.units import format_length, parse_length
 
 
 def eval_positional(
@@ -95,6 +95,11 @@ def eval_positional(
     layout = Layout(seq=seq_len, bucket=parse_length(bucket, "--bucket"), control=control, controls=wanted)
     if loss_chunk is not None and loss_chunk < 1:
         raise GenolongError(f"--loss-chunk must be at least 1, got {loss_chunk}")
+    if layout.controls:
+        # Each control costs whole extra passes; say how many before hours of GPU time go into them.
+        cost = layout.forward_tokens()
+        parts = ", ".join(f"{c} +{cost[c] / cost['full']:.2f}" for c in layout.controls)
+        typer.echo(f"controls at C = {format_length(layout.control)}: {parts} full passes per window and model", err=True)
     if markov_max_order < 0:
         raise GenolongError(f"--markov-max-order must be 0 or more, got {markov_max_order}")
     if bootstrap < 1:

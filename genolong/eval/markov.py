@@ -41,7 +41,7 @@ from genolong.errors import GenolongError
 
 N_BASES = 4
 DEFAULT_MAX_ORDER = 12
-DEFAULT_ALPHAS = (0.001, 0.01, 0.1, 0.5, 1.0)
+DEFAULT_ALPHAS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 20.0)
 MAX_TABLE_BYTES = 1 << 30
 VALIDATION_FRACTION = 0.1
 VALIDATION_MAX_BASES = 4 << 20
@@ -240,6 +240,7 @@ def fit(
     if add_back:
         extra = count_contexts(add_back, int(k))
         kept = [a + b for a, b in zip(kept, extra)]
+    counted = int(kept[0].sum())  # order 0 counts every A/C/G/T target once
     info = {
         "order": int(k),
         "alpha": float(alphas[j]),
@@ -248,7 +249,7 @@ def fit(
         "validation_bits": [[_round(v) for v in row] for row in table],
         "validation": f"{n_val:,} validation targets",
         "validation_targets": n_val,
-        "train_bases": train_bases,
+        "train_bases": counted,
     }
     return MarkovModel(kept, float(alphas[j]), info)
 

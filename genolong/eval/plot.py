@@ -16,6 +16,7 @@ the numbers: bits/base of every model, early vs late change and the long-range p
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -155,7 +156,7 @@ def plot_positional(res: Results, path: Path, *, labels: dict[str, str] | None =
 def _title(res: Results, names: dict[str, str], warning: str | None) -> str:
     s = res.summary()
     bpb = s["bits_per_base"]
-    width = int(PANEL_WIDTH * (3 if np.any(res.n_tokens("repeat") > 0) else 2) * 15)  # ~15 characters per inch at 10.5 pt
+    width = int(PANEL_WIDTH * (3 if np.any(res.n_tokens("repeat") > 0) else 2) * 12)  # ~12 characters per inch at 10.5 pt
     lines = [
         f"{names['checkpoint']} vs {names['baseline']}: {s['n_windows']} held-out windows of {fmt_len(res.layout.seq)} bases, "
         f"buckets of {fmt_len(res.layout.bucket)}, 95% bootstrap bands over windows",
@@ -167,6 +168,8 @@ def _title(res: Results, names: dict[str, str], warning: str | None) -> str:
         c, c2 = fmt_len(res.layout.control), fmt_len(2 * res.layout.control)
         parts = [f"full - {ctx} {pct(s[f'long_range_late_{ctx}'])}" for ctx in res.layout.controls]
         lines.append(f"long-range part of the late change (controls keep {c}-{c2} bases of real context): " + ", ".join(parts))
+    # An interval is never split across lines: its spaces become non-breaking before wrapping.
+    lines = [re.sub(r"\[[^\]]*\]", lambda m: m.group(0).replace(" ", "\u00a0"), line) for line in lines]
     wrapped = [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ")]
     if warning:
         wrapped += textwrap.wrap(f"WARNING (hatched bands): {warning}", width)

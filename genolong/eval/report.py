@@ -271,21 +271,30 @@ def to_json(res: Results) -> str:
     return json.dumps(doc, indent=1) + "\n"
 
 
+def _signed(x: float, digits: int) -> str:
+    """+1.25 / -0.50 / +0.00: a value that rounds to zero is printed as +0, never as -0."""
+    text = f"{x:+.{digits}f}"
+    return "+" + text[1:] if float(text) == 0 else text
+
+
 def pct(e: dict[str, float | None]) -> str:
     """A relative change with its interval, in percent."""
     if e["value"] is None:
         return "n/a"
-    return f"{100 * e['value']:+.2f}% [{100 * e['lo']:+.2f}, {100 * e['hi']:+.2f}]"
+    return f"{_signed(100 * e['value'], 2)}% [{_signed(100 * e['lo'], 2)}, {_signed(100 * e['hi'], 2)}]"
 
 
 def bits(e: dict[str, float | None], signed: bool = False) -> str:
     """A bits/base value with its interval (none shown when it has no width, as for uniform)."""
     if e["value"] is None:
         return "n/a"
-    f = "{:+.4f}" if signed else "{:.4f}"
+
+    def f(x: float) -> str:
+        return _signed(x, 4) if signed else f"{x:.4f}"
+
     if e["lo"] is None or e["lo"] == e["hi"]:
-        return f.format(e["value"])
-    return f"{f.format(e['value'])} [{f.format(e['lo'])}, {f.format(e['hi'])}]"
+        return f(e["value"])
+    return f"{f(e['value'])} [{f(e['lo'])}, {f(e['hi'])}]"
 
 
 def model_names(res: Results) -> dict[str, str]:

@@ -212,3 +212,11 @@ def test_other_controls_are_a_different_evaluation(tmp_path):
     run(tmp_path / "e", windows)
     with pytest.raises(GenolongError, match="different evaluation.*controls"):
         run(tmp_path / "e", windows, layout=Layout(SEQ, 64, 64, controls=("truncated", "shuffled")))
+
+
+def test_numbers_print_without_negative_zero():
+    from genolong.eval.report import bits, pct
+
+    assert pct({"value": -1e-9, "lo": -2e-7, "hi": 0.0123}) == "+0.00% [+0.00, +1.23]"
+    assert bits({"value": -4e-6, "lo": -0.00012, "hi": 3e-6}, signed=True) == "+0.0000 [-0.0001, +0.0000]"
+    assert bits({"value": 2.0, "lo": 2.0, "hi": 2.0}) == "2.0000"
