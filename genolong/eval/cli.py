@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from genolong.errors import GenolongError
-from genolong.units import format_length, parse_length
+from genolong.units import parse_length
 
 
 def eval_positional(
@@ -74,7 +74,7 @@ def eval_positional(
 
     from genolong.data import open_prepared, tile_windows
     from genolong.eval import markov, models
-    from genolong.eval.positional import CONTROLS, Layout, ModelScorer
+    from genolong.eval.positional import Layout, ModelScorer
     from genolong.eval.run import Settings, evaluate
     from genolong.model import ops
     from genolong.train.memory import apply_memory_optimizations
@@ -87,19 +87,11 @@ def eval_positional(
     else:
         control = None if control_text == "0" else parse_length(control_text, "--control-context")
     wanted = tuple(c.strip() for c in controls.split(",") if c.strip() and c.strip() != "none")
-    unknown = [c for c in wanted if c not in CONTROLS]
-    if unknown:
-        raise GenolongError(f"--controls {controls}: unknown control {unknown[0]!r}; use truncated, shuffled, both (truncated,shuffled) or none")
     if not wanted:
         control = None
     layout = Layout(seq=seq_len, bucket=parse_length(bucket, "--bucket"), control=control, controls=wanted)
     if loss_chunk is not None and loss_chunk < 1:
         raise GenolongError(f"--loss-chunk must be at least 1, got {loss_chunk}")
-    if layout.controls:
-        # Each control costs whole extra passes; say how many before hours of GPU time go into them.
-        cost = layout.forward_tokens()
-        parts = ", ".join(f"{c} +{cost[c] / cost['full']:.2f}" for c in layout.controls)
-        typer.echo(f"controls at C = {format_length(layout.control)}: {parts} full passes per window and model", err=True)
     if markov_max_order < 0:
         raise GenolongError(f"--markov-max-order must be 0 or more, got {markov_max_order}")
     if bootstrap < 1:
@@ -165,6 +157,10 @@ def eval_positional(
     )
     # What the numbers depend on: the source genome and the holdout records, not where the directory lives.
     data_identity = {"sha256": pg.manifest.get("source", {}).get("sha256"), "holdout": [list(r) for r in holdout]}
+
+    def note(message: str) -> None:
+        typer.echo(message, err=True)
+
     ops.reset_audit()
     with ops.policy(policy):
         evaluate(
@@ -174,6 +170,7 @@ def eval_positional(
             make_scorer,
             data_identity=data_identity,
             data_path=str(Path(data).resolve()),
-            markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=lambda m: typer.echo(m, err=True)),
+            markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=note),
+            note=note,
         )
     typer.echo(f"wrote {out}/positional.png, positional.csv, positional.json")

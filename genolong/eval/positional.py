@@ -78,7 +78,10 @@ class Layout:
             raise GenolongError(f"--seq {self.seq} leaves no target to score: use at least 2 tokens")
         unknown = [c for c in self.controls if c not in CONTROLS]
         if unknown:
-            raise GenolongError(f"--controls {','.join(self.controls)}: unknown control {unknown[0]!r}; use a subset of {','.join(CONTROLS)}, or none")
+            raise GenolongError(
+                f"--controls {','.join(self.controls)}: unknown control {unknown[0]!r}; "
+                f"use truncated, shuffled, both ({','.join(CONTROLS)}) or none"
+            )
         if self.control is None:
             object.__setattr__(self, "controls", ())
             return

@@ -31,6 +31,7 @@ from genolong.eval.plot import plot_positional
 from genolong.eval.positional import Layout, ModelScorer, reduce_window, score_window
 from genolong.eval.store import PartialResults, write_atomic
 from genolong.model import ops
+from genolong.units import format_length
 
 ROLES = ("baseline", "checkpoint")
 # Part of the partial file's header: results scored another way (nats over the whole vocabulary,
@@ -130,10 +131,12 @@ def evaluate(
     data_path: str | None = None,
     echo: Callable[[str], None] = print,
     markov: MarkovModel | Callable[[], MarkovModel] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> report.Results:
     """Score, aggregate, write. `windows()` restarts the tiling; `make_scorer(role)` loads a model;
     `markov` (a model, or a function fitting one, called once the partial file is accepted and
-    before any model is scored) is scored beside the models as a yardstick."""
+    before any model is scored) is scored beside the models as a yardstick; `note` gets progress
+    messages (the CLI sends them to stderr)."""
     layout = settings.layout
     check_compatible(specs)
     keys = [(w.record, int(w.start), bool(w.reverse)) for w in windows()]
@@ -157,6 +160,11 @@ def evaluate(
         },
     }
     partial = PartialResults(settings.out_dir, fingerprint, overwrite=settings.overwrite)
+    if note and layout.controls:
+        # Each control costs whole extra passes: say how many before hours of GPU time go into them.
+        cost = layout.forward_tokens()
+        parts = ", ".join(f"{c} +{cost[c] / cost['full']:.2f}" for c in layout.controls)
+        note(f"controls at C = {format_length(layout.control)}: {parts} full passes per window and model")
     if callable(markov):
         markov = markov()
 

@@ -319,3 +319,9 @@ def test_a_text_vocabulary_checkpoint_is_scored_over_its_base_tokens(world, monk
         expect = [bits[(np.arange(1, SEQ) // BUCKET == b) & valid].mean() for b in range(SEQ // BUCKET)]
         row = next(r for r in doc["bits_per_base"] if (r["model"], r["context"], r["bases"]) == (role, "full", "all"))
         np.testing.assert_allclose(row["value"], expect, rtol=2e-5)
+
+
+def test_an_unknown_control_is_one_clear_line(world, monkeypatch, capsys, tmp_path):
+    code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path), "--controls", "truncated,reversed")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "unknown control 'reversed'; use truncated, shuffled, both (truncated,shuffled) or none" in err
