@@ -16,8 +16,8 @@ N (or cross the start of a record); scoring backs off to the longest N-free cont
 window, so a target right after an N run or at the start of a window is predicted by a lower
 order (the models, too, see only the window). N targets are not scored.
 
-Cost: one vectorised pass over the train split (the top order's k-mer codes and one
-`np.bincount`; lower orders are sums of higher ones), linear in the bases. Counts are int64
+Cost: one vectorised pass over the train split (the top order's k-mer codes, added into its
+count table with `np.add.at`; lower orders are sums of higher ones), linear in the bases. Counts are int64
 tables of 4^k x 4 (order 12: 512 MiB), so K is capped where the table would exceed 1 GiB and
 where 4^k exceeds the train bases (contexts seen less than once on average). Choosing scores
 at most 4 Mb of the validation set (evenly spaced 1 Mb pieces). The fit is cached in the eval
