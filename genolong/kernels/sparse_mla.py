@@ -27,9 +27,12 @@ import statistics
 
 import torch
 
+from genolong.errors import GenolongError
 from genolong.kernels import _common
 from genolong.model.ops import KernelUnsupported
 
+ENV_SWITCH = "GENOLONG_SPARSE_MLA"
+ENV_DKV_MODE = "GENOLONG_SPARSE_MLA_DKV"
 DKV_MODES = ("atomic", "keychunk")
 DEFAULT_DKV_MODE = "keychunk"
 KEY_CHUNK = 8192  # keys per chunk: 8 MiB of bf16 kv + 16 MiB of fp32 dkv, half of an H200's L2
@@ -58,20 +61,20 @@ def _interpreted() -> bool:
 
 
 def candidates(kind: str, heads: int, dim: int) -> list:
-    """The configurations timed for a kernel ("fwd" or "bwd"); the first is the untimed default."""
+    """The configurations timed for a kernel ("fwd" or "bwd"); the first is the default (used
+    untimed on the CPU and below 512 columns). Chosen from the sm_90 builds (ptxas, no spills,
+    shared memory within 227 KiB, docs/kernels.md): the gathered keys are double-buffered only
+    from 5 pipeline stages on (the index load is a stage of its own); a backward program with 64
+    heads needs more than 227 KiB, so the backward takes at most 32 heads per program."""
     from genolong.kernels.sparse_mla_triton import Config, head_block
 
     hb = head_block(heads)
-    small = dim < 512  # test sizes: the defaults only
     if kind == "fwd":
-        found = [Config(hb, 64, 8, 2), Config(hb, 32, 4, 3)]
-        if heads > 32:
-            found.append(Config(32, 64, 8, 2))
+        found = [Config(16, 32, 8, 5), Config(16, 64, 8, 5), Config(16, 64, 8, 4)] if hb == 16 else [Config(hb, 32, 8, 5), Config(32, 32, 8, 5)]
     else:
-        found = [Config(hb, 32, 8, 2), Config(hb, 16, 4, 2)]
-        if heads > 32:
-            found.append(Config(32, 32, 8, 2))
-    return found[:1] if small else found
+        found = [Config(16, 16, 8, 5), Config(16, 32, 8, 5), Config(16, 32, 8, 4)] if hb == 16 else [Config(32, 16, 8, 5)]
+    found = list(dict.fromkeys(found))
+    return found[:1] if dim < 512 else found
 
 
 _CHOSEN: dict[tuple, object] = {}
@@ -143,11 +146,14 @@ def _forward(q, kv, idx, scale, config=None):
     return out.view(q.shape), lse.view(batch, seq, heads)
 
 
+def backward_row_bytes(width: int, heads: int, dim: int, n_chunks: int) -> int:
+    """Transient bytes per query row of a key-chunked launch: the sort (int32 values + int64
+    positions), the chunk bounds (and searchsorted's input) and the fp32 dq partial sums."""
+    return width * 12 + (n_chunks + 1) * 12 + heads * dim * 4
+
+
 def backward_rows_per_chunk(width: int, heads: int, dim: int, n_chunks: int, budget_bytes: int) -> int:
-    """Query rows per key-chunked launch: the sort (int32 values + int64 positions), the chunk
-    bounds and the fp32 dq partial sums of the rows fit the budget."""
-    per_row = width * 12 + (n_chunks + 1) * 12 + heads * dim * 4
-    return max(1, budget_bytes // per_row)
+    return max(1, budget_bytes // backward_row_bytes(width, heads, dim, n_chunks))
 
 
 def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, config=None):
@@ -220,20 +226,25 @@ def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mo
                key_chunk: int = KEY_CHUNK, budget_bytes: int = QUERY_BUDGET_BYTES, configs: dict | None = None):
     """The op on the Triton kernels, on CUDA or (TRITON_INTERPRET=1) the CPU; `configs` may pin
     {"fwd": Config, "bwd": Config} instead of timing candidates."""
+    if dkv_mode not in DKV_MODES:
+        raise GenolongError(f"dkv_mode {dkv_mode!r} is unknown; use one of {', '.join(DKV_MODES)}")
+    if key_chunk < 1:
+        raise GenolongError(f"key_chunk must be a positive number of keys, got {key_chunk}")
     check_supported(q, kv, indices)
     if not (q.is_cuda or _interpreted()):
         raise KernelUnsupported(f"needs CUDA tensors (or Triton's interpreter, TRITON_INTERPRET=1), got {q.device}")
-    if dkv_mode not in DKV_MODES:
-        raise ValueError(f"dkv_mode must be one of {DKV_MODES}, got {dkv_mode!r}")
-    if key_chunk < 1:
-        raise ValueError(f"key_chunk must be >= 1, got {key_chunk}")
     out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), float(scale), dkv_mode,
                                 int(key_chunk), int(budget_bytes), dict(configs or {}))
     return (out, lse) if return_lse else out
 
 
 def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, return_lse: bool = False):
-    """The "dsa_sparse_attention" op (docs/ops.md) on the few-head Triton sparse-MLA kernels."""
+    """The "dsa_sparse_attention" op (docs/ops.md) on the few-head Triton sparse-MLA kernels.
+
+    Environment: GENOLONG_SPARSE_MLA=off declines (the next implementation, megatron-core's
+    TileLang kernel, runs instead); GENOLONG_SPARSE_MLA_DKV picks the dkv mode."""
+    if os.environ.get(ENV_SWITCH, "on") == "off":
+        raise KernelUnsupported(f"disabled by {ENV_SWITCH}=off")
     _common.require_cuda(q, kv, indices)
     check_supported(q, kv, indices)
     if not math.isfinite(scale):
@@ -242,4 +253,7 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         import genolong.kernels.sparse_mla_triton  # noqa: F401
     except ImportError as why:
         raise KernelUnsupported(f"triton is not importable: {why}") from why
-    return sparse_mla(q, kv, indices, scale=scale, return_lse=return_lse)
+    mode = os.environ.get(ENV_DKV_MODE, DEFAULT_DKV_MODE)
+    if mode not in DKV_MODES:
+        raise GenolongError(f"{ENV_DKV_MODE}={mode!r} is not a dkv mode; set it to one of {', '.join(DKV_MODES)} or unset it")
+    return sparse_mla(q, kv, indices, scale=scale, return_lse=return_lse, dkv_mode=mode)

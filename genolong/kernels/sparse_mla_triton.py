@@ -32,6 +32,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+_LN2 = tl.constexpr(LN2)
+_LOG2E = tl.constexpr(LOG2E)
 MIN_HEAD_BLOCK = 16  # the tensor-core product's row count: fewer heads are padded in registers
 
 
@@ -91,7 +93,7 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q, seq_kv, w
     empty = l == 0.0
     o = acc / tl.where(empty, 1.0, l)[:, None]
     tl.store(out_ptr + (row * H + heads[:, None]) * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=live[:, None])
-    lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, l))) * LN2)
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, l))) * _LN2)
     tl.store(lse_ptr + row * H + heads, lse, mask=live)
 
 
@@ -139,7 +141,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
         offs = (row * H + heads[:, None]) * D + d[None, :]
         q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0)
         do = tl.load(do_ptr + offs, mask=live[:, None], other=0.0)
-        lse = tl.load(lse_ptr + row * H + heads, mask=live, other=0.0) * LOG2E
+        lse = tl.load(lse_ptr + row * H + heads, mask=live, other=0.0) * _LOG2E
         delta = tl.load(delta_ptr + row * H + heads, mask=live, other=0.0)
         dq = tl.zeros([HB, D], tl.float32)
         for start in range(lo, hi, BN):
@@ -205,3 +207,28 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
                          H=heads, HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
                          RANGED=bounds is not None, DQ_ATOMIC=bounds is not None,
                          PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool = False, arch: int = 90):
+    """Compile "fwd" or "bwd" for a GPU architecture without a GPU (the CPU compile check)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    n_hb = triton.cdiv(heads, config.head_block)
+    meta = dict(H=heads, HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, PREC="tf32")
+    if kind == "fwd":
+        fn = _fwd_kernel
+        sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+               "row0": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "scale_log2": "fp32"}
+    else:
+        fn = _bwd_kernel
+        meta.update(RANGED=ranged, DQ_ATOMIC=ranged)
+        sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "do_ptr": "*bf16", "lse_ptr": "*fp32",
+               "delta_ptr": "*fp32", "dq_ptr": "*fp32" if ranged else "*bf16", "dkv_ptr": "*fp32", "bounds_ptr": "*i32",
+               "row0": "i32", "n_rows": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "n_bounds": "i32",
+               "scale": "fp32", "scale_log2": "fp32"}
+    # As the JIT specialises them for torch's allocations: every pointer 16-byte aligned.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, kind_ in enumerate(sig.values()) if kind_.startswith("*")}
+    src = ASTSource(fn, {**sig, **dict.fromkeys(meta, "constexpr")}, meta, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
