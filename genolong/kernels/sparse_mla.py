@@ -72,7 +72,8 @@ def candidates(kind: str, heads: int, dim: int) -> list:
     if kind == "fwd":
         found = [Config(16, 32, 8, 5), Config(16, 64, 8, 5), Config(16, 64, 8, 4)] if hb == 16 else [Config(hb, 32, 8, 5), Config(32, 32, 8, 5)]
     else:
-        found = [Config(16, 16, 8, 5), Config(16, 32, 8, 5), Config(16, 32, 8, 4)] if hb == 16 else [Config(32, 16, 8, 5)]
+        # 4 warps: two programs per SM (236 registers), for the key-chunked pass's short programs.
+        found = [Config(16, 16, 8, 5), Config(16, 16, 4, 5), Config(16, 32, 8, 5)] if hb == 16 else [Config(32, 16, 8, 5)]
     found = list(dict.fromkeys(found))
     return found[:1] if dim < 512 else found
 

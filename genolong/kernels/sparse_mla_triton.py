@@ -60,9 +60,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@triton.jit
-def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q, seq_kv, width, scale_log2,
-                H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+# Lengths, row offsets and the head count are not specialised (by divisibility), so one build
+# serves every length and chunk of a run, and 4, 8 and 16 heads.
+@triton.jit(do_not_specialize=["row0", "seq_q", "seq_kv", "width", "H"])
+def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q, seq_kv, width, scale_log2, H,
+                HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                 N_HB: tl.constexpr, PREC: tl.constexpr):
     # Head blocks of one query are neighbouring programs, so the second one finds the keys in L2.
     pid = tl.program_id(0)
@@ -97,8 +99,8 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q, seq_kv, w
     tl.store(lse_ptr + row * H + heads, lse, mask=live)
 
 
-@triton.jit
-def _delta_kernel(o_ptr, do_ptr, delta_ptr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+@triton.jit(do_not_specialize=["H"])
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, H, HP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HP)
     live = heads < H
@@ -111,10 +113,10 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, H: tl.constexpr, HP: tl.constexpr, D
     tl.store(delta_ptr + row * H + heads, total, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row0", "n_rows", "seq_q", "seq_kv", "width", "n_bounds", "H"])
 def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, bounds_ptr,
-                row0, n_rows, seq_q, seq_kv, width, n_bounds, scale, scale_log2,
-                H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
+                row0, n_rows, seq_q, seq_kv, width, n_bounds, scale, scale_log2, H,
+                HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
                 RANGED: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr):
     # Per-row tensors (q, idx, dO, lse, Delta, dq) start at this launch's first row; row0 + row is
     # the row in the whole [B*T] sequence (for the batch of its keys).
@@ -178,15 +180,15 @@ def forward(q, kv, idx, out, lse, *, row0: int, seq_q: int, seq_kv: int, scale: 
     n_hb = triton.cdiv(heads, config.head_block)
     if rows == 0:
         return
-    _fwd_kernel[(rows * n_hb,)](q, kv, idx, out, lse, row0, seq_q, seq_kv, idx.shape[1], scale * LOG2E,
-                                H=heads, HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
+    _fwd_kernel[(rows * n_hb,)](q, kv, idx, out, lse, row0, seq_q, seq_kv, idx.shape[1], scale * LOG2E, heads,
+                                HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
                                 PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def delta(out, dout, dst) -> None:
     rows, heads, dim = out.shape
     if rows:
-        _delta_kernel[(rows,)](out, dout, dst, H=heads, HP=triton.next_power_of_2(heads), D=dim, DC=min(dim, 128), num_warps=4)
+        _delta_kernel[(rows,)](out, dout, dst, heads, HP=triton.next_power_of_2(heads), D=dim, DC=min(dim, 128), num_warps=4)
 
 
 def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_kv: int, scale: float,
@@ -203,8 +205,8 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
     n_bounds = 1 if bounds is None else bounds.shape[1]
     grid = rows * n_hb * max(1, n_bounds - 1)
     _bwd_kernel[(grid,)](q, kv, idx, dout, lse, dlt, dq, dkv, idx if bounds is None else bounds,
-                         row0, rows, seq_q, seq_kv, idx.shape[1], n_bounds, scale, scale * LOG2E,
-                         H=heads, HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
+                         row0, rows, seq_q, seq_kv, idx.shape[1], n_bounds, scale, scale * LOG2E, heads,
+                         HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
                          RANGED=bounds is not None, DQ_ATOMIC=bounds is not None,
                          PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -215,18 +217,18 @@ def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool
     from triton.compiler import ASTSource
 
     n_hb = triton.cdiv(heads, config.head_block)
-    meta = dict(H=heads, HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, PREC="tf32")
+    meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, PREC="tf32")
     if kind == "fwd":
         fn = _fwd_kernel
         sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-               "row0": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "scale_log2": "fp32"}
+               "row0": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "scale_log2": "fp32", "H": "i32"}
     else:
         fn = _bwd_kernel
         meta.update(RANGED=ranged, DQ_ATOMIC=ranged)
         sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "do_ptr": "*bf16", "lse_ptr": "*fp32",
                "delta_ptr": "*fp32", "dq_ptr": "*fp32" if ranged else "*bf16", "dkv_ptr": "*fp32", "bounds_ptr": "*i32",
                "row0": "i32", "n_rows": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "n_bounds": "i32",
-               "scale": "fp32", "scale_log2": "fp32"}
+               "scale": "fp32", "scale_log2": "fp32", "H": "i32"}
     # As the JIT specialises them for torch's allocations: every pointer 16-byte aligned.
     aligned = {(i,): [["tt.divisibility", 16]] for i, kind_ in enumerate(sig.values()) if kind_.startswith("*")}
     src = ASTSource(fn, {**sig, **dict.fromkeys(meta, "constexpr")}, meta, attrs=aligned)
