@@ -38,6 +38,7 @@ DEFAULT_DKV_MODE = "keychunk"
 KEY_CHUNK = 8192  # keys per chunk: 8 MiB of bf16 kv + 16 MiB of fp32 dkv, half of an H200's L2
 QUERY_BUDGET_BYTES = 1 << 30
 TUNE_ROWS = 16384
+ROW_ALIGN = 16
 DIMS = (16, 32, 64, 128, 256, 512)
 
 
@@ -128,19 +129,25 @@ def pick(kind: str, q: torch.Tensor, width: int, trial) -> tuple[object, bool]:
 # ----------------------------------------------------------------------------- forward / backward
 
 
+def _aligned(rows: int) -> int:
+    # Row offsets of the launches' views stay multiples of 16 rows, so every view is 16-byte
+    # aligned and no launch needs a build specialised for an unaligned pointer.
+    return rows // ROW_ALIGN * ROW_ALIGN
+
+
 def _forward(q, kv, idx, scale, config=None):
     from genolong.kernels import sparse_mla_triton as k
 
     batch, seq, heads, dim = q.shape
     rows = q.view(-1, heads, dim)
-    flat_idx = idx.view(batch * seq, -1)
+    flat_idx = idx.view(batch * seq, idx.shape[-1])
     out = _common.empty(rows.shape, dtype=q.dtype, device=q.device)
     lse = _common.empty(rows.shape[:2], dtype=torch.float32, device=q.device)
     kw = dict(seq_q=seq, seq_kv=kv.shape[1], scale=scale)
     kv_rows = kv.view(-1, dim)
     if config is None:
         # Trials run on the last rows (the fullest selections); the full launch below overwrites them.
-        r0 = max(0, rows.shape[0] - TUNE_ROWS)
+        r0 = _aligned(max(0, rows.shape[0] - TUNE_ROWS))
         config, _ = pick("fwd", q, flat_idx.shape[1],
                          lambda c: k.forward(rows[r0:], kv_rows, flat_idx[r0:], out[r0:], lse[r0:], row0=r0, config=c, **kw))
     k.forward(rows, kv_rows, flat_idx, out, lse, row0=0, config=config, **kw)
@@ -164,7 +171,7 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
     seq_kv = kv.shape[1]
     n_rows = batch * seq
     rows, drows = q.view(n_rows, heads, dim), dout.view(n_rows, heads, dim)
-    flat_idx, flat_lse = idx.view(n_rows, -1), lse.view(n_rows, heads)
+    flat_idx, flat_lse = idx.view(n_rows, idx.shape[-1]), lse.view(n_rows, heads)
     width = flat_idx.shape[1]
     kv_rows = kv.view(-1, dim)
     dlt = _common.empty((n_rows, heads), dtype=torch.float32, device=q.device)
@@ -182,14 +189,14 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
 
     if one_pass:
         if config is None:
-            r0 = max(0, n_rows - TUNE_ROWS)
+            r0 = _aligned(max(0, n_rows - TUNE_ROWS))
             config, timed = pick("bwd", q, width, lambda c: launch(r0, n_rows, c, dq[r0:]))
             if timed:
                 dkv.zero_()  # the trials added into it
         launch(0, n_rows, config, dq)
         return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
 
-    step = backward_rows_per_chunk(width, heads, dim, n_chunks, budget_bytes)
+    step = max(ROW_ALIGN, _aligned(backward_rows_per_chunk(width, heads, dim, n_chunks, budget_bytes)))
     edges = torch.arange(n_chunks + 1, device=q.device, dtype=torch.int32) * key_chunk
     for r0 in range(0, n_rows, step):
         r1 = min(n_rows, r0 + step)

@@ -121,6 +121,7 @@ def interpreted():
 
 
 @needs_triton
+@pytest.mark.slow  # one interpreter process for all cases: ~25 s of CPU
 @pytest.mark.parametrize("name", list(CASES))
 def test_interpreted_kernels_match_the_reference(interpreted, name):
     r, tol = interpreted[name], TOLERANCE[CASES[name]["dtype"]]
