@@ -41,7 +41,7 @@ def _indexer_selection(seq):
     return impl(q, keys, w, kpool=4, topk_pools=512, always_select_tail=True, softmax_scale=128**-0.5)
 
 
-def _lse_reference(q, kv, idx, t0=0):
+def _lse_reference(q, kv, idx):
     out = []
     for c in range(0, idx.shape[1], 256):
         i = idx[:, c : c + 256].long()
