@@ -13,10 +13,10 @@ allocated or written.
 - `_bwd_kernel`: recomputes P from q, the gathered keys and lse; dS = P * (dO.K - Delta);
   accumulates dq in registers and adds each slot block's dkv = dS^T q + P^T dO into an fp32
   buffer with one relaxed atomic per (slot, column), after the sum over all heads in registers.
-  With RANGED, a program handles only the slots of its row that fall in one key chunk (the row
-  sorted, the chunk's slot range given), programs ordered chunk by chunk, so the rows of kv and
-  of the fp32 dkv buffer that are being gathered and added to at any moment fit in L2; its dq
-  is then a partial sum, added atomically into an fp32 buffer.
+  With RANGED, a program handles, for 16 rows in turn, only the slots that fall in one key chunk
+  (rows sorted, each chunk's slot range given), programs ordered chunk by chunk, so the rows of
+  kv and of the fp32 dkv buffer that are being gathered and added to at any moment fit in L2;
+  dq is then a partial sum per chunk, added atomically into an fp32 buffer.
 
 Slots hold key positions; -1 (and anything outside [0, S)) is an empty slot. All row offsets
 are 64-bit. Launchers take an explicit `Config`; sparse_mla.py chooses (and times) them.
@@ -35,6 +35,7 @@ LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)
 _LOG2E = tl.constexpr(LOG2E)
 MIN_HEAD_BLOCK = 16  # the tensor-core product's row count: fewer heads are padded in registers
+RANGED_ROWS = 16  # rows per program of the key-chunked backward
 
 
 @dataclass(frozen=True)
@@ -113,60 +114,78 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, H, HP: tl.constexpr, D: tl.constexpr
     tl.store(delta_ptr + row * H + heads, total, mask=live)
 
 
+@triton.jit
+def _bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
+             row0, seq_q, seq_kv, width, scale, scale_log2, H,
+             HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr):
+    """Slots [lo, hi) of one row, one head block: dq (stored, or added when DQ_ATOMIC) and dkv (added)."""
+    heads = hb * HB + tl.arange(0, HB)
+    live = heads < H
+    d = tl.arange(0, D)
+    batch = (row0 + row) // seq_q
+    kv_rows = kv_ptr + batch * seq_kv * D
+    dkv_rows = dkv_ptr + batch * seq_kv * D
+    offs = (row * H + heads[:, None]) * D + d[None, :]
+    q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0)
+    do = tl.load(do_ptr + offs, mask=live[:, None], other=0.0)
+    lse = tl.load(lse_ptr + row * H + heads, mask=live, other=0.0) * _LOG2E
+    delta = tl.load(delta_ptr + row * H + heads, mask=live, other=0.0)
+    dq = tl.zeros([HB, D], tl.float32)
+    for start in range(lo, hi, BN):
+        slot = start + tl.arange(0, BN)
+        j = tl.load(idx_ptr + row * width + slot, mask=slot < hi, other=-1)
+        valid = (j >= 0) & (j < seq_kv)
+        k = tl.load(kv_rows + j.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        # Only (live head, valid slot) pairs get a probability; an empty row's lse is -inf,
+        # but all its slots are invalid, so the where never lets exp2(+inf) through.
+        p = tl.where(live[:, None] & valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(k), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        # The whole head block's contribution to each selected key, summed before the atomic.
+        dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, input_precision=PREC)
+        dkv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)
+        tl.atomic_add(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None], sem="relaxed")
+    dq = dq * scale
+    if DQ_ATOMIC:
+        tl.atomic_add(dq_ptr + offs, dq, mask=live[:, None], sem="relaxed")
+    else:
+        tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=live[:, None])
+
+
 @triton.jit(do_not_specialize=["row0", "n_rows", "seq_q", "seq_kv", "width", "n_bounds", "H"])
 def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, bounds_ptr,
                 row0, n_rows, seq_q, seq_kv, width, n_bounds, scale, scale_log2, H,
                 HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
-                RANGED: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr):
+                RANGED: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr):
     # Per-row tensors (q, idx, dO, lse, Delta, dq) start at this launch's first row; row0 + row is
     # the row in the whole [B*T] sequence (for the batch of its keys).
     pid = tl.program_id(0)
-    if RANGED:  # pid = (key chunk, row, head block), the chunk slowest
-        chunk = pid // (n_rows * N_HB)
-        rest = pid % (n_rows * N_HB)
-        row = (rest // N_HB).to(tl.int64)
+    if RANGED:
+        # pid = (key chunk, group of ROWS rows, head block), the chunk slowest. Most (chunk, row)
+        # pairs of causal selections are empty (keys past the row); a group of rows costs one
+        # load of its bounds to find that out, instead of one program per row.
+        n_groups = tl.cdiv(n_rows, ROWS)
+        chunk = pid // (n_groups * N_HB)
+        rest = pid % (n_groups * N_HB)
+        first = (rest // N_HB).to(tl.int64) * ROWS
         hb = rest % N_HB
-        lo = tl.load(bounds_ptr + row * n_bounds + chunk)
-        hi = tl.load(bounds_ptr + row * n_bounds + chunk + 1)
+        rows = first + tl.arange(0, ROWS)
+        los = tl.load(bounds_ptr + rows * n_bounds + chunk, mask=rows < n_rows, other=0)
+        his = tl.load(bounds_ptr + rows * n_bounds + chunk + 1, mask=rows < n_rows, other=0)
+        if tl.max(his - los, 0) > 0:
+            for r in range(ROWS):
+                row = first + r
+                if row < n_rows:
+                    lo = tl.load(bounds_ptr + row * n_bounds + chunk)
+                    hi = tl.load(bounds_ptr + row * n_bounds + chunk + 1)
+                    if hi > lo:
+                        _bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
+                                 row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC)
     else:
-        row = (pid // N_HB).to(tl.int64)
-        hb = pid % N_HB
-        lo = 0
-        hi = width
-    if hi > lo:
-        heads = hb * HB + tl.arange(0, HB)
-        live = heads < H
-        d = tl.arange(0, D)
-        batch = (row0 + row) // seq_q
-        kv_rows = kv_ptr + batch * seq_kv * D
-        dkv_rows = dkv_ptr + batch * seq_kv * D
-        offs = (row * H + heads[:, None]) * D + d[None, :]
-        q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0)
-        do = tl.load(do_ptr + offs, mask=live[:, None], other=0.0)
-        lse = tl.load(lse_ptr + row * H + heads, mask=live, other=0.0) * _LOG2E
-        delta = tl.load(delta_ptr + row * H + heads, mask=live, other=0.0)
-        dq = tl.zeros([HB, D], tl.float32)
-        for start in range(lo, hi, BN):
-            slot = start + tl.arange(0, BN)
-            j = tl.load(idx_ptr + row * width + slot, mask=slot < hi, other=-1)
-            valid = (j >= 0) & (j < seq_kv)
-            k = tl.load(kv_rows + j.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            # Only (live head, valid slot) pairs get a probability; an empty row's lse is -inf,
-            # but all its slots are invalid, so the where never lets exp2(+inf) through.
-            p = tl.where(live[:, None] & valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(k), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-            # The whole head block's contribution to each selected key, summed before the atomic.
-            dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, input_precision=PREC)
-            dkv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)
-            tl.atomic_add(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None], sem="relaxed")
-        dq = dq * scale
-        if DQ_ATOMIC:
-            tl.atomic_add(dq_ptr + offs, dq, mask=live[:, None], sem="relaxed")
-        else:
-            tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=live[:, None])
+        _bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
+                 pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -202,12 +221,14 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
     if rows == 0:
         return
     n_hb = triton.cdiv(heads, config.head_block)
-    n_bounds = 1 if bounds is None else bounds.shape[1]
-    grid = rows * n_hb * max(1, n_bounds - 1)
+    if bounds is None:
+        n_bounds, grid = 1, rows * n_hb
+    else:
+        n_bounds, grid = bounds.shape[1], (bounds.shape[1] - 1) * triton.cdiv(rows, RANGED_ROWS) * n_hb
     _bwd_kernel[(grid,)](q, kv, idx, dout, lse, dlt, dq, dkv, idx if bounds is None else bounds,
                          row0, rows, seq_q, seq_kv, idx.shape[1], n_bounds, scale, scale * LOG2E, heads,
                          HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
-                         RANGED=bounds is not None, DQ_ATOMIC=bounds is not None,
+                         RANGED=bounds is not None, ROWS=RANGED_ROWS,
                          PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -224,7 +245,7 @@ def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool
                "row0": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "scale_log2": "fp32", "H": "i32"}
     else:
         fn = _bwd_kernel
-        meta.update(RANGED=ranged, DQ_ATOMIC=ranged)
+        meta.update(RANGED=ranged, ROWS=RANGED_ROWS)
         sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "do_ptr": "*bf16", "lse_ptr": "*fp32",
                "delta_ptr": "*fp32", "dq_ptr": "*fp32" if ranged else "*bf16", "dkv_ptr": "*fp32", "bounds_ptr": "*i32",
                "row0": "i32", "n_rows": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "n_bounds": "i32",
