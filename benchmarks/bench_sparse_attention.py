@@ -160,7 +160,8 @@ def main() -> None:
     current = None
     for size, heads in plan:
         seq = SIZES[size]
-        for impl in impls + ["triton-fwd", "megatron-fwd"] * (size == "128k" and heads == 4):
+        extra = [f"{i}-fwd" for i in ("triton", "megatron") if any(x.startswith(i) for x in impls)] if (size, heads) == ("128k", 4) else []
+        for impl in impls + extra:
             left = args.budget_s - (time.time() - t_start)
             reps = 3 if seq >= 262144 else 5
             estimate = estimate_s(per_unit_ms, impl, seq, heads, reps) or 20.0
