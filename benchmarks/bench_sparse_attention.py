@@ -151,6 +151,7 @@ def main() -> None:
         jsonl.write(json.dumps(row) + "\n")
         jsonl.flush()
         print(row, flush=True)
+        (args.out / "table.txt").write_text(render(rows))  # kept current, in case the run is stopped
 
     log(dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__, packages=kernels.available(), scale=scale))
     if not args.skip_parity:
@@ -213,9 +214,7 @@ def main() -> None:
                 q = kv = dout = qs = ks = vs = dsd = None
                 torch.cuda.empty_cache()
     log(dict(kind="configs", chosen=sparse_mla.chosen_configs()))
-    table = render(rows)
-    (args.out / "table.txt").write_text(table)
-    print("\n" + table)
+    print("\n" + render(rows))
     print(f"total {time.time() - t_start:.0f} s")
 
 
