@@ -16,7 +16,8 @@ dkv, two ways (`dkv_mode`):
   (S <= key_chunk) it is the atomic pass.
 
 Launch configurations are timed on first use per (kernel, heads, width, dtype) on the GPU (a
-few candidates, on the last rows of the call) and remembered; `chosen_configs()` lists them.
+few candidates, on the last 16k rows of the call: the fullest selections, the most key chunks)
+and remembered; `chosen_configs()` lists them.
 """
 
 from __future__ import annotations
@@ -198,16 +199,24 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
 
     step = max(ROW_ALIGN, _aligned(backward_rows_per_chunk(width, heads, dim, n_chunks, budget_bytes)))
     edges = torch.arange(n_chunks + 1, device=q.device, dtype=torch.int32) * key_chunk
+
+    def chunk(r0, r1):
+        """The rows sorted (-1, empty, first: below chunk 0), each key chunk's slot range, a zero dq."""
+        sorted_idx = torch.sort(flat_idx[r0:r1], dim=-1).values
+        bounds = torch.searchsorted(sorted_idx, edges.expand(r1 - r0, -1).contiguous(), out_int32=True)
+        return sorted_idx, bounds, torch.zeros((r1 - r0, heads, dim), dtype=torch.float32, device=q.device)
+
+    if config is None:
+        # Trials on the last rows (the most key chunks per row), before anything is added to dkv.
+        r0 = _aligned(max(0, n_rows - min(step, TUNE_ROWS)))
+        sorted_idx, bounds, dq32 = chunk(r0, n_rows)
+        config, timed = pick("bwd_keychunk", q, width, lambda c: launch(r0, n_rows, c, dq32, bounds, sorted_idx))
+        if timed:
+            dkv.zero_()
+        del sorted_idx, bounds, dq32
     for r0 in range(0, n_rows, step):
         r1 = min(n_rows, r0 + step)
-        sorted_idx = torch.sort(flat_idx[r0:r1], dim=-1).values  # -1 (empty) sorts first, below chunk 0
-        bounds = torch.searchsorted(sorted_idx, edges.expand(r1 - r0, -1).contiguous(), out_int32=True)
-        dq32 = torch.zeros((r1 - r0, heads, dim), dtype=torch.float32, device=q.device)
-        if config is None:  # first chunk, dkv still all zero: trials may add into it, then it is reset
-            config, timed = pick("bwd_keychunk", q, width, lambda c: launch(r0, r1, c, dq32, bounds, sorted_idx))
-            if timed:
-                dkv.zero_()
-                dq32.zero_()
+        sorted_idx, bounds, dq32 = chunk(r0, r1)
         launch(r0, r1, config, dq32, bounds, sorted_idx)
         dq[r0:r1] = dq32
     return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
