@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--plan", default="", help="size:heads,... instead of the default plan")
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--tilelang-cached", default="", help="head counts whose TileLang builds are in the cache (no build time budgeted)")
     args = ap.parse_args()
     t_start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +158,7 @@ def main() -> None:
     if not args.skip_parity:
         parity(scale, log)
     per_unit_ms: dict[tuple[str, int], float] = {}  # (impl, heads) -> ms per query (SDPA: per query^2)
-    tilelang_built: set[int] = set()
+    tilelang_built: set[int] = {int(h) for h in args.tilelang_cached.split(",") if h}
     current = None
     for size, heads in plan:
         seq = SIZES[size]
