@@ -11,6 +11,7 @@ from genolong.train.plan_cli import plan  # noqa: F401  (mounted by genolong.cli
 
 _MEM = "Memory optimizations (each can be switched off alone; --baseline switches all off)"
 _RUN = "Run"
+_IDX = "DSA indexer training (default: frozen)"
 
 
 def finetune(
@@ -71,6 +72,16 @@ def finetune(
     gpu_budget: Annotated[float | None, typer.Option(help="GPU memory budget, GiB [default: the device's].", rich_help_panel=_MEM, show_default=False)] = None,
     host_budget: Annotated[float | None, typer.Option(help="Pinned host memory budget, GiB [default: the machine's].", rich_help_panel=_MEM, show_default=False)] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Every memory optimization off (the stack out of the box).", rich_help_panel=_MEM)] = False,
+    indexer_loss_coeff: Annotated[
+        float, typer.Option(help="Train the DSA indexer with its KL loss at this weight (0: frozen indexer).", rich_help_panel=_IDX)
+    ] = 0.0,
+    indexer_warmup_steps: Annotated[
+        int, typer.Option(help="First N steps train only the indexer, against dense attention (O(T^2): short contexts).", rich_help_panel=_IDX)
+    ] = 0,
+    indexer_recall_every: Annotated[
+        int, typer.Option(help="Every N steps log how much dense attention the indexer's selection keeps (0: never).", rich_help_panel=_IDX)
+    ] = 0,
+    indexer_recall_queries: Annotated[int, typer.Option(help="Sampled queries per DSA layer for the recall.", rich_help_panel=_IDX)] = 256,
 ) -> None:
     """Fine-tune (or train from scratch) on a prepared genome at 512k-1M tokens per sequence.
 
@@ -138,6 +149,10 @@ def finetune(
             ray_address=ray_address,
             progress=progress,
             memory=memory,
+            indexer_loss_coeff=indexer_loss_coeff,
+            indexer_warmup_steps=indexer_warmup_steps,
+            indexer_recall_every=indexer_recall_every,
+            indexer_recall_queries=indexer_recall_queries,
         )
     records = launch(options)
     if records:
