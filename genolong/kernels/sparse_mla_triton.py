@@ -6,17 +6,18 @@ on tensor cores with the heads stacked as the rows of the product. Heads past H 
 registers only (masked loads give zeros, masked stores drop them): nothing padded is ever
 allocated or written.
 
-- `_fwd_kernel`: online softmax in fp32 over the row's slots (log2 domain), o accumulated in
-  fp32 and written in the input dtype, the natural-log lse saved for the backward.
-- `_delta_kernel`: Delta = rowsum(dO * O) per (query, head) in fp32 (the softmax backward's
-  correction term), once per query.
-- `_bwd_kernel`: recomputes P from q, the gathered keys and lse; dS = P * (dO.K - Delta);
-  accumulates dq in registers and adds each slot block's dkv = dS^T q + P^T dO into an fp32
-  buffer with one relaxed atomic per (slot, column), after the sum over all heads in registers.
-  With RANGED, a program handles, for 16 rows in turn, only the slots that fall in one key chunk
-  (rows sorted, each chunk's slot range given), programs ordered chunk by chunk, so the rows of
-  kv and of the fp32 dkv buffer that are being gathered and added to at any moment fit in L2;
-  dq is then a partial sum per chunk, added atomically into an fp32 buffer.
+- `_sparse_mla_fwd_kernel`: online softmax in fp32 over the row's slots (log2 domain), o
+  accumulated in fp32 and written in the input dtype, the natural-log lse saved for the backward.
+- `_sparse_mla_delta_kernel`: Delta = rowsum(dO * O) per (query, head) in fp32 (the softmax
+  backward's correction term), once per query.
+- `_sparse_mla_bwd_kernel`: recomputes P from q, the gathered keys and lse; dS = P * (dO.K -
+  Delta); accumulates dq in registers and adds each slot block's dkv = dS^T q + P^T dO into an
+  fp32 buffer with one relaxed atomic per (slot, column), after the sum over all heads in
+  registers. With RANGED, a program handles, for 16 rows in turn, only the slots that fall in
+  one key chunk (rows sorted, each chunk's slot range given), programs ordered chunk by chunk,
+  so the rows of kv and of the fp32 dkv buffer that are being gathered and added to at any
+  moment fit in L2; dq is then a partial sum per chunk, added atomically into an fp32 buffer.
+  (The names say "sparse_mla" so that profiles attribute them.)
 
 Slots hold key positions; -1 (and anything outside [0, S)) is an empty slot. All row offsets
 are 64-bit. Launchers take an explicit `Config`; sparse_mla.py chooses (and times) them.
@@ -64,7 +65,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 # Lengths, row offsets and the head count are not specialised (by divisibility), so one build
 # serves every length and chunk of a run, and 4, 8 and 16 heads.
 @triton.jit(do_not_specialize=["row0", "seq_q", "seq_kv", "width", "H"])
-def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q, seq_kv, width, scale_log2, H,
+def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q, seq_kv, width, scale_log2, H,
                 HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                 N_HB: tl.constexpr, PREC: tl.constexpr):
     # Head blocks of one query are neighbouring programs, so the second one finds the keys in L2.
@@ -101,7 +102,7 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q, seq_kv, w
 
 
 @triton.jit(do_not_specialize=["H"])
-def _delta_kernel(o_ptr, do_ptr, delta_ptr, H, HP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+def _sparse_mla_delta_kernel(o_ptr, do_ptr, delta_ptr, H, HP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HP)
     live = heads < H
@@ -115,7 +116,7 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, H, HP: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def _bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
+def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
              row0, seq_q, seq_kv, width, scale, scale_log2, H,
              HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr):
     """Slots [lo, hi) of one row, one head block: dq (stored, or added when DQ_ATOMIC) and dkv (added)."""
@@ -155,7 +156,7 @@ def _bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "seq_q", "seq_kv", "width", "n_bounds", "H"])
-def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, bounds_ptr,
+def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, bounds_ptr,
                 row0, n_rows, seq_q, seq_kv, width, n_bounds, scale, scale_log2, H,
                 HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
                 RANGED: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr):
@@ -181,10 +182,10 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
                     lo = tl.load(bounds_ptr + row * n_bounds + chunk)
                     hi = tl.load(bounds_ptr + row * n_bounds + chunk + 1)
                     if hi > lo:
-                        _bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
+                        _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
                                  row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC)
     else:
-        _bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
+        _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
                  pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC)
 
 
@@ -199,7 +200,7 @@ def forward(q, kv, idx, out, lse, *, row0: int, seq_q: int, seq_kv: int, scale: 
     n_hb = triton.cdiv(heads, config.head_block)
     if rows == 0:
         return
-    _fwd_kernel[(rows * n_hb,)](q, kv, idx, out, lse, row0, seq_q, seq_kv, idx.shape[1], scale * LOG2E, heads,
+    _sparse_mla_fwd_kernel[(rows * n_hb,)](q, kv, idx, out, lse, row0, seq_q, seq_kv, idx.shape[1], scale * LOG2E, heads,
                                 HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
                                 PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -207,7 +208,7 @@ def forward(q, kv, idx, out, lse, *, row0: int, seq_q: int, seq_kv: int, scale: 
 def delta(out, dout, dst) -> None:
     rows, heads, dim = out.shape
     if rows:
-        _delta_kernel[(rows,)](out, dout, dst, heads, HP=triton.next_power_of_2(heads), D=dim, DC=min(dim, 128), num_warps=4)
+        _sparse_mla_delta_kernel[(rows,)](out, dout, dst, heads, HP=triton.next_power_of_2(heads), D=dim, DC=min(dim, 128), num_warps=4)
 
 
 def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_kv: int, scale: float,
@@ -225,7 +226,7 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
         n_bounds, grid = 1, rows * n_hb
     else:
         n_bounds, grid = bounds.shape[1], (bounds.shape[1] - 1) * triton.cdiv(rows, RANGED_ROWS) * n_hb
-    _bwd_kernel[(grid,)](q, kv, idx, dout, lse, dlt, dq, dkv, idx if bounds is None else bounds,
+    _sparse_mla_bwd_kernel[(grid,)](q, kv, idx, dout, lse, dlt, dq, dkv, idx if bounds is None else bounds,
                          row0, rows, seq_q, seq_kv, idx.shape[1], n_bounds, scale, scale * LOG2E, heads,
                          HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
                          RANGED=bounds is not None, ROWS=RANGED_ROWS,
@@ -240,11 +241,11 @@ def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool
     n_hb = triton.cdiv(heads, config.head_block)
     meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, PREC="tf32")
     if kind == "fwd":
-        fn = _fwd_kernel
+        fn = _sparse_mla_fwd_kernel
         sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
                "row0": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "scale_log2": "fp32", "H": "i32"}
     else:
-        fn = _bwd_kernel
+        fn = _sparse_mla_bwd_kernel
         meta.update(RANGED=ranged, ROWS=RANGED_ROWS)
         sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "do_ptr": "*bf16", "lse_ptr": "*fp32",
                "delta_ptr": "*fp32", "dq_ptr": "*fp32" if ranged else "*bf16", "dkv_ptr": "*fp32", "bounds_ptr": "*i32",
