@@ -13,7 +13,10 @@ import importlib
 
 # op -> [(implementation name, module, function)], in order of preference.
 FUSED = {
-    "dsa_sparse_attention": [("tilelang_sparse_mla", "genolong.kernels.dsa_sparse_tilelang", "dsa_sparse_attention")],
+    # The few-head Triton kernel first; megatron-core's padded TileLang kernel stays selectable
+    # (and is the benchmarks' baseline).
+    "dsa_sparse_attention": [("triton_sparse_mla", "genolong.kernels.sparse_mla", "dsa_sparse_attention"),
+                             ("tilelang_sparse_mla", "genolong.kernels.dsa_sparse_tilelang", "dsa_sparse_attention")],
     # indexer_topk.dsa_indexer_topk_chunked (plain PyTorch) is deliberately not registered: a
     # Triton failure must show up as a fallback, not as a silent 10x slower path.
     "dsa_indexer_topk": [
