@@ -38,21 +38,28 @@ def indexer_topk_reference(
     topk_pools: int,
     always_select_tail: bool,
     softmax_scale: float,
+    query_offset: int = 0,
 ) -> torch.Tensor:
-    """The "dsa_indexer_topk" op (docs/ops.md) -> int32 [B, T, W], -1 for unused slots."""
+    """The "dsa_indexer_topk" op (docs/ops.md) -> int32 [B, T, W], -1 for unused slots.
+
+    The queries sit at sequence positions query_offset + [0, T) and the pools cover the sequence
+    from position 0, so a piece of a sequence (context parallelism) selects exactly what the
+    same queries select when the whole sequence is scored at once; indices are global positions.
+    """
     batch, seq, heads, _ = index_q.shape
-    n_pools = pool_keys.shape[1]
     device = index_q.device
+    # Pools past the last query's position can never be selected: leave them out of the products.
+    n_pools = min(pool_keys.shape[1], (query_offset + seq) // kpool)
     select = min(topk_pools, n_pools)
     width = topk_pools * kpool + (kpool - 1 if always_select_tail else 0)
     out = torch.full((batch, seq, width), -1, dtype=torch.int32, device=device)
 
-    keys_t = pool_keys.float().transpose(-1, -2).unsqueeze(1)  # [B, 1, D, P]
+    keys_t = pool_keys[:, :n_pools].float().transpose(-1, -2).unsqueeze(1)  # [B, 1, D, P]
     in_pool = torch.arange(kpool, device=device)
     step = max(1, _SCORE_ELEMENTS // max(1, batch * heads * n_pools))
     for t0 in range(0, seq, step):
         t1 = min(seq, t0 + step)
-        t = torch.arange(t0, t1, device=device)
+        t = torch.arange(query_offset + t0, query_offset + t1, device=device)
         # Pools whose last token is at or before the query: p < (t + 1) // kpool.
         n_visible = (t + 1) // kpool
         if select > 0:
