@@ -214,6 +214,11 @@ def parallel(rank: int, world: int, layout_text: str, cases: list[Case], n: int,
     if pmesh.size("tp") > 1:
         out["exact_indexer"] = exact_indexer(pmesh)
         out["refusals"] = refusals(pmesh)
+    if pmesh.size("ep") > 1:
+        from genolong.parallel.expert import expert_count_reducer
+
+        # The balancer's [layers, E] counts: rank r counted r + 1 tokens per expert.
+        out["global_counts"] = expert_count_reducer(pmesh)(torch.full((2, 8), float(rank + 1))).tolist()
     if ckpt is not None:
         out["loaded"] = checkpoint_round_trip(pmesh, ckpt, rank)
     return out
