@@ -154,12 +154,9 @@ def _run_case(pmesh, case: Case, n: int, pin: dict | None, rank: int) -> dict:
 
 def exact_indexer(pmesh) -> bool:
     """The sharded indexer on the same input as the plain one: identical selections."""
-    from genolong.parallel.tensor import SequenceShardedIndexer
+    from genolong.parallel.tensor import SequenceShardedIndexer, apply_tensor_parallel
 
-    model = build("fp32")
-    from genolong.parallel.tensor import apply_tensor_parallel
-
-    apply_tensor_parallel(model, pmesh)
+    model = apply_tensor_parallel(build("fp32"), pmesh)
     indexer = next(m for m in model.modules() if isinstance(m, SequenceShardedIndexer))
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, SEQ, model.config.hidden, generator=g)

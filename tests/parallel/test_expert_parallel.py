@@ -16,6 +16,9 @@ import torch.distributed.checkpoint as dcp
 from tests.parallel.harness import run_ranks
 from tests.parallel.tensor_expert_workers import Case, build, check_bf16, check_fp32, one_process, parallel
 
+# Starting two and four gloo processes and running every case takes ~30-90 s on the shared 2-core machine.
+pytestmark = pytest.mark.slow
+
 N = 2  # sequences: one per ep rank
 EP_CASES = [Case("fp32"), Case("skewed", skew=4), Case("memory", memory=True)]
 MIXED_CASES = [Case("fp32"), Case("bf16", dtype="bf16"), Case("memory", memory=True, skew=2)]

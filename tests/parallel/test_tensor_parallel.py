@@ -13,6 +13,9 @@ import torch.distributed.checkpoint as dcp
 from tests.parallel.harness import run_ranks
 from tests.parallel.tensor_expert_workers import SEQ, Case, build, check_bf16, check_fp32, one_process, parallel, same_set_rows
 
+# Starting two gloo processes and running every case takes ~30-90 s on the shared 2-core machine.
+pytestmark = pytest.mark.slow
+
 N = 2  # sequences; at tp=2 both ranks read both
 CASES = [Case("fp32"), Case("bf16", dtype="bf16")]
 
