@@ -16,8 +16,9 @@ the processes started is recorded as not run; cp=2 needs genolong.parallel.conte
 
 Every rank writes its full log to OUT/rank<r>.log; rank 0 writes OUT/results.jsonl (one line per
 measurement, appended as it goes) and OUT/table.txt. Layouts and lengths are skipped, and
-recorded as skipped, once --budget-s is spent (a length already started finishes). Expected: ~6 minutes on two H200s with the
-defaults (8 layers: a step at 128k ~3 s, at 512k ~15-20 s per layout, plus first-step compilation).
+recorded as skipped, once --budget-s is spent (a length already started finishes). Estimated, not measured (RESULTS.md's
+45-layer H200 steps scaled to 8 layers: ~3 s at 128k, ~15-20 s at 512k per layout, plus first-step
+compilation): ~6 minutes on two H200s with the defaults.
 
 On one process (`torchrun --nproc_per_node=1` or plain python) the layout "1" times the plain
 model (the single-GPU baseline at the same lengths). CPU smoke test (gloo, tiny preset):
