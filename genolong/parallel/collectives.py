@@ -7,6 +7,7 @@ and leave the gradient bookkeeping to autograd:
 | forward                          | backward                          | used by                       |
 |----------------------------------|-----------------------------------|-------------------------------|
 | `gather_along` (all-gather)      | reduce-scatter (sum)              | CP: latent / pooled keys; SP  |
+| `gather_along_replicated` (all-gather) | this rank's slice (no sum)  | SP: the final hidden states   |
 | `scatter_sum_along` (reduce-scatter) | all-gather                    | SP: row-parallel outputs      |
 | `all_to_all_along` (swap dims)   | the inverse all-to-all            | Ulysses head split            |
 | `reduce_sum` (all-reduce)        | identity                          | TP: row-parallel without SP   |
@@ -77,6 +78,18 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = _size(ctx.group)
+        return grad.chunk(n, ctx.dim)[dist.get_rank(ctx.group)].contiguous(), None, None
 
 
 class _ScatterSum(torch.autograd.Function):
@@ -153,6 +166,13 @@ def _exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], g
 def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All ranks' equal shards of `dim`, concatenated in rank order; the gradient is reduce-scattered back."""
     return _Gather.apply(x, dim, group)
+
+
+def gather_along_replicated(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All ranks' equal shards of `dim`, for a computation every rank then repeats identically (the
+    loss after the last sequence-parallel layer): each rank's incoming gradient is already the
+    whole one, so the backward keeps this rank's slice instead of summing over ranks."""
+    return _GatherReplicated.apply(x, dim, group)
 
 
 def scatter_sum_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
