@@ -280,14 +280,16 @@ class _AttachIndexerLoss(torch.autograd.Function):
         ctx.save_for_backward(x, q_resid, q, kv, indices, lse)
         indexer, scale, switch = spec
         n_queries = q.shape[0] * q.shape[1]
-        ctx.spec = (indexer, scale, switch, n_queries, switch.grad_scale(n_queries))
+        # The loss's kernel runs in backward (autograd's own thread on CUDA): under the policy in force now.
+        ctx.spec = (indexer, scale, switch, n_queries, switch.grad_scale(n_queries), ops.active())
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, q_resid, q, kv, indices, lse = ctx.saved_tensors
-        indexer, scale, switch, n_queries, grad_scale = ctx.spec
-        kl_sum, grads = sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, scale=scale, grad_scale=grad_scale)
+        indexer, scale, switch, n_queries, grad_scale, policy = ctx.spec
+        with ops.policy(policy):
+            kl_sum, grads = sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, scale=scale, grad_scale=grad_scale)
         switch.record(indexer.layer_idx, kl_sum, n_queries)
         return (grad_out, None, None, None, None, None, None, None, *grads)
 

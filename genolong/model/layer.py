@@ -3,7 +3,7 @@
 Input and output are the residual streams [B, T, n, hidden]. A DSA layer whose successor DSA
 layer reuses its top-k ("shared" indexer) returns `(streams, topk)`; a shared layer takes that
 top-k as a second argument. Every other layer is a plain `streams -> streams` function, which is
-what recompute and offload wrappers see (GenoLongModel.layer_runner).
+what the recompute and offload wrappers (genolong.train.recompute, genolong.train.offload) see.
 """
 
 from __future__ import annotations

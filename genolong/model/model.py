@@ -5,21 +5,20 @@ State-dict keys are transformers' `Glm5NextTextModel` keys (`embed_tokens.weight
 ...) under `model.`, plus `lm_head.weight`, so a transformers checkpoint loads by stripping its
 prefix.
 
-`layer_runner`: recompute and CPU offload are applied from outside, without wrapping modules
-(which would change the keys). When `model.layer_runner` is set, the layer loop calls
-`layer_runner(layer_idx, layer, streams, *extra)` instead of `layer(streams, *extra)`; it must
-return what the layer returns. `extra` is empty except for DSA layers that reuse a previous
-layer's top-k (then `extra == (topk,)`), none of which exist in the presets.
+The layer loop is plain: recompute, offload, parallelism and compilation are applied from
+outside by passes (genolong.train.passes) that wrap or switch modules and keep these keys.
+`kernel_policy` (None, or the model's own genolong.model.ops.KernelPolicy set by `ops.bind`) is
+put in force around the layers; print(model) shows it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from genolong.model import ops
 from genolong.model.config import ModelConfig
 from genolong.model.layer import DecoderLayer
 from genolong.model.mhc import HyperHead
@@ -47,9 +46,6 @@ class CausalLMOutput:
     logits: torch.Tensor
 
 
-LayerRunner = Callable[..., object]
-
-
 class GenoLongModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -58,21 +54,25 @@ class GenoLongModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden, config.rms_eps)
         self.hc_head = HyperHead()
-        self.layer_runner: LayerRunner | None = None
+        self.kernel_policy: ops.KernelPolicy | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden states [B, T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.mhc.num_streams, x.shape[-1]).contiguous()
-        shared_topk = None
-        for i, layer in enumerate(self.layers):
-            extra = (shared_topk,) if layer.reuses_topk else ()
-            out = layer(streams, *extra) if self.layer_runner is None else self.layer_runner(i, layer, streams, *extra)
-            if layer.emits_topk:
-                streams, shared_topk = out
-            else:
-                streams = out
-        return self.norm(self.hc_head(streams))
+        with ops.scoped(self.kernel_policy):
+            x = self.embed_tokens(input_ids)
+            streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.mhc.num_streams, x.shape[-1]).contiguous()
+            shared_topk = None
+            for layer in self.layers:
+                extra = (shared_topk,) if layer.reuses_topk else ()
+                out = layer(streams, *extra)
+                if layer.emits_topk:
+                    streams, shared_topk = out
+                else:
+                    streams = out
+            return self.norm(self.hc_head(streams))
+
+    def extra_repr(self) -> str:
+        return f"kernel_policy={self.kernel_policy.name if self.kernel_policy is not None else 'the caller context'}"
 
 
 class GenoLongForCausalLM(nn.Module):
@@ -93,14 +93,6 @@ class GenoLongForCausalLM(nn.Module):
             init_weights(self)
         if dtype is not None:
             self.to_dtype(dtype)
-
-    @property
-    def layer_runner(self) -> LayerRunner | None:
-        return self.model.layer_runner
-
-    @layer_runner.setter
-    def layer_runner(self, runner: LayerRunner | None) -> None:
-        self.model.layer_runner = runner
 
     def to_dtype(self, dtype: torch.dtype) -> GenoLongForCausalLM:
         """Cast floating parameters and buffers to `dtype`, keeping FP32_PARAM_SUFFIXES in fp32."""

@@ -5,26 +5,37 @@ the layer fell back to dense attention, and nothing said so until memory ran out
 hot op of the model (DSA sparse attention, the indexer's top-k, the KDA recurrence, the MoE
 experts) is called through `call(op, layer_idx, ...)`, which
 
-- runs the implementation the current *policy* asks for,
-- records `(layer_idx, op) -> implementation` in an audit that the run log prints, and
+- runs the implementation the *policy in force* asks for,
+- records `(layer_idx, op) -> implementation` in that policy's audit (the run log prints it), and
 - under the "fused" policy raises `KernelFallbackError` at the first layer whose fused kernel
   is missing or declines its inputs, instead of quietly running the reference.
 
 Reference implementations are plain PyTorch in genolong/model (they run anywhere, they are the
 oracles for the kernels' tests). genolong/kernels registers the fused ones on import. A fused
 implementation that cannot handle its inputs raises `KernelUnsupported(reason)`; it never
-returns None.
+returns None. The registry of implementations is the only process-wide state here.
 
 Policies: "reference" (always the reference), "fused" (fused or fail loudly), "auto" (fused
-where it runs, reference elsewhere, both recorded). The default is "reference" so that CPU
-code never needs the GPU packages.
+where it runs, reference elsewhere, both recorded). A `KernelPolicy` object is a policy with its
+own audit, and it is never process-global. It is in force
+
+- for a model: `bind(model, "fused")` (the kernel-policy pass, genolong.train.passes) stores it
+  as `GenoLongModel.kernel_policy` (print(model) shows it), and the model's forward puts it in
+  force for its layers. The recompute of a layer during backward runs under the policy that was
+  in force when the layer ran forward (`recompute_context`, used by every checkpoint of the
+  training passes), and ops that run inside backward capture the policy at forward
+  (`active()`), so backward threads see the same policy as forward.
+- for a context: `with policy("auto") as p:` (a contextvar: this thread or asyncio task only);
+  `use(name)` sets the current context's policy (scripts). A model's own policy wins over the
+  context's; a model without one runs under the caller's.
+Without either, a context gets its own "reference" policy on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 POLICIES = ("reference", "fused", "auto")
 REFERENCE = "reference"
@@ -38,90 +49,148 @@ class KernelFallbackError(RuntimeError):
     """Under the "fused" policy, a layer would have run a reference path."""
 
 
-@dataclass
-class _Registry:
-    impls: dict[str, dict[str, Callable]]
-    policy: str = REFERENCE
-    audit: dict[tuple[int, str], str] | None = None
+def _check(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"kernel policy must be one of {POLICIES}, got {name!r}")
+    return name
 
 
-_STATE = _Registry(impls={})
+class KernelPolicy:
+    """A policy name and the audit of what ran under it: {(layer_idx, op): implementation}."""
+
+    def __init__(self, name: str = REFERENCE) -> None:
+        self.name = _check(name)
+        self.audit: dict[tuple[int, str], str] = {}
+
+    def reset_audit(self) -> None:
+        self.audit = {}
+
+    def audit_summary(self) -> dict[str, dict[str, int]]:
+        """{op: {implementation: number of layers}} for the run log."""
+        summary: dict[str, dict[str, int]] = {}
+        for (_, op), impl in sorted(self.audit.items()):
+            summary.setdefault(op, {}).setdefault(impl, 0)
+            summary[op][impl] += 1
+        return summary
+
+    def call(self, op: str, layer_idx: int, *args, **kwargs):
+        """Run `op` for layer `layer_idx` under this policy (see the module docstring)."""
+        impls = _IMPLS.get(op)
+        if not impls or REFERENCE not in impls:
+            raise KeyError(f"op {op!r} has no reference implementation registered")
+        if self.name != REFERENCE:
+            reasons = []
+            for name, fn in impls.items():
+                if name == REFERENCE:
+                    continue
+                try:
+                    out = fn(*args, **kwargs)
+                except KernelUnsupported as why:
+                    reasons.append(f"{name}: {why}")
+                    continue
+                self.audit[(layer_idx, op)] = name
+                return out
+            if self.name == "fused":
+                detail = "; ".join(reasons) if reasons else "no fused implementation is registered (genolong.kernels not loaded?)"
+                raise KernelFallbackError(
+                    f"layer {layer_idx}: op {op!r} would fall back to the PyTorch reference ({detail}); "
+                    "fix the kernel or run with the 'reference' / 'auto' kernel policy explicitly"
+                )
+        self.audit[(layer_idx, op)] = REFERENCE
+        return impls[REFERENCE](*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"KernelPolicy({self.name!r})"
+
+
+_IMPLS: dict[str, dict[str, Callable]] = {}
+_ACTIVE: contextvars.ContextVar[KernelPolicy | None] = contextvars.ContextVar("genolong_kernel_policy", default=None)
 
 
 def register(op: str, impl: str, fn: Callable) -> None:
     """Register `fn` as implementation `impl` of `op` (impl "reference" is the oracle)."""
-    _STATE.impls.setdefault(op, {})[impl] = fn
+    _IMPLS.setdefault(op, {})[impl] = fn
+
+
+def unregister(op: str, impl: str | None = None) -> None:
+    """Forget implementation `impl` of `op`, or every one (tests that register throw-away ones)."""
+    if impl is None:
+        _IMPLS.pop(op, None)
+    else:
+        _IMPLS.get(op, {}).pop(impl, None)
 
 
 def implementations(op: str) -> dict[str, Callable]:
-    return dict(_STATE.impls.get(op, {}))
+    return dict(_IMPLS.get(op, {}))
 
 
-def use(policy: str) -> None:
-    if policy not in POLICIES:
-        raise ValueError(f"kernel policy must be one of {POLICIES}, got {policy!r}")
-    _STATE.policy = policy
-
-
-def current_policy() -> str:
-    return _STATE.policy
+def active() -> KernelPolicy:
+    """The policy in force in this context (created as "reference" on first use)."""
+    current = _ACTIVE.get()
+    if current is None:
+        current = KernelPolicy(REFERENCE)
+        _ACTIVE.set(current)
+    return current
 
 
 @contextlib.contextmanager
-def policy(name: str) -> Iterator[None]:
-    previous = _STATE.policy
-    use(name)
+def policy(which: str | KernelPolicy) -> Iterator[KernelPolicy]:
+    """Put a policy in force for the body: a name (a fresh policy, its own audit) or a KernelPolicy."""
+    chosen = which if isinstance(which, KernelPolicy) else KernelPolicy(which)
+    token = _ACTIVE.set(chosen)
     try:
-        yield
+        yield chosen
     finally:
-        _STATE.policy = previous
+        _ACTIVE.reset(token)
+
+
+def scoped(chosen: KernelPolicy | None) -> contextlib.AbstractContextManager:
+    """`policy(chosen)`, or nothing when `chosen` is None (a model without a policy of its own)."""
+    return policy(chosen) if chosen is not None else contextlib.nullcontext()
+
+
+def use(name: str) -> KernelPolicy:
+    """Set the current context's policy by name, keeping its audit (scripts; a model's own policy wins)."""
+    current = active()
+    current.name = _check(name)
+    return current
+
+
+def current_policy() -> str:
+    return active().name
 
 
 def reset_audit() -> None:
-    _STATE.audit = {}
+    active().reset_audit()
 
 
 def audit() -> dict[tuple[int, str], str]:
-    """What ran since the last reset: {(layer_idx, op): implementation name}."""
-    return dict(_STATE.audit or {})
+    """What ran under the current context's policy since its last reset: {(layer_idx, op): implementation}."""
+    return dict(active().audit)
 
 
 def audit_summary() -> dict[str, dict[str, int]]:
-    """{op: {implementation: number of layers}} for the run log."""
-    summary: dict[str, dict[str, int]] = {}
-    for (_, op), impl in sorted((_STATE.audit or {}).items()):
-        summary.setdefault(op, {}).setdefault(impl, 0)
-        summary[op][impl] += 1
-    return summary
-
-
-def _record(layer_idx: int, op: str, impl: str) -> None:
-    if _STATE.audit is None:
-        _STATE.audit = {}
-    _STATE.audit[(layer_idx, op)] = impl
+    return active().audit_summary()
 
 
 def call(op: str, layer_idx: int, *args, **kwargs):
-    """Run `op` for layer `layer_idx` under the current policy (see the module docstring)."""
-    impls = _STATE.impls.get(op)
-    if not impls or REFERENCE not in impls:
-        raise KeyError(f"op {op!r} has no reference implementation registered")
-    if _STATE.policy != REFERENCE:
-        fused = [(name, fn) for name, fn in impls.items() if name != REFERENCE]
-        reasons = []
-        for name, fn in fused:
-            try:
-                out = fn(*args, **kwargs)
-            except KernelUnsupported as why:
-                reasons.append(f"{name}: {why}")
-                continue
-            _record(layer_idx, op, name)
-            return out
-        if _STATE.policy == "fused":
-            detail = "; ".join(reasons) if reasons else "no fused implementation is registered (genolong.kernels not loaded?)"
-            raise KernelFallbackError(
-                f"layer {layer_idx}: op {op!r} would fall back to the PyTorch reference ({detail}); "
-                "fix the kernel or run with the 'reference' / 'auto' kernel policy explicitly"
-            )
-    _record(layer_idx, op, REFERENCE)
-    return impls[REFERENCE](*args, **kwargs)
+    """Run `op` for layer `layer_idx` under the policy in force (module docstring)."""
+    return active().call(op, layer_idx, *args, **kwargs)
+
+
+def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`context_fn` for torch.utils.checkpoint: the recompute in backward (another thread on CUDA,
+    where this context's variables are unset) runs under the policy in force at forward."""
+    return contextlib.nullcontext(), policy(active())
+
+
+def bind(model, name: str | KernelPolicy) -> KernelPolicy:
+    """Give `model` (anything holding one GenoLongModel, or the GenoLongModel) its own policy; returns it."""
+    from genolong.model.model import GenoLongModel
+
+    chosen = name if isinstance(name, KernelPolicy) else KernelPolicy(name)
+    bodies = [m for m in model.modules() if isinstance(m, GenoLongModel)]
+    if len(bodies) != 1:
+        raise ValueError(f"bind() needs a model with one GenoLongModel, found {len(bodies)}")
+    bodies[0].kernel_policy = chosen
+    return chosen

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -50,10 +51,11 @@ def launched_world() -> tuple[int, int, int] | None:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def init_distributed(device_type: str) -> tuple[int, int]:
+def init_distributed(device_type: str, timeout_s: float | None = None) -> tuple[int, int]:
     """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU); returns (rank, world_size).
 
-    On CUDA each process takes the GPU of its LOCAL_RANK, so `--device cuda` means "this rank's GPU"."""
+    On CUDA each process takes the GPU of its LOCAL_RANK, so `--device cuda` means "this rank's GPU".
+    timeout_s: how long a collective waits for a missing rank before failing (None: torch's default)."""
     world = launched_world()
     if world is None:
         raise GenolongError(
@@ -68,7 +70,8 @@ def init_distributed(device_type: str) -> tuple[int, int]:
             )
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **timeout)
     return rank, world_size
 
 

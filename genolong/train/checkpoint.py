@@ -74,22 +74,28 @@ def save(
         write_model(tmp / MODEL_DIR)
         save_file({k: v.detach().contiguous().cpu() for k, v in optimizer_state.items()}, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1) + "\n", encoding="utf-8")
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        for rel in files:
-            _fsync(tmp / rel)
-        manifest = {"step": step, "files": files}
-        (tmp / COMPLETE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        _fsync(tmp / COMPLETE)
-        if final.exists():
-            # Re-saving a step (a resumed run that stops where it was saved): drop the old copy first.
-            _remove(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
+        finalize(tmp, final, step)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     prune(run_dir, keep_last)
     return final
+
+
+def finalize(tmp: Path, final: Path, step: int) -> None:
+    """Make the fully written `tmp` the checkpoint `final`: fsync its files, write the COMPLETE
+    manifest last, rename (one atomic step). Also the last step of a multi-process save."""
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    for rel in files:
+        fsync_file(tmp / rel)
+    manifest = {"step": step, "files": files}
+    (tmp / COMPLETE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    fsync_file(tmp / COMPLETE)
+    if final.exists():
+        # Re-saving a step (a resumed run that stops where it was saved): drop the old copy first.
+        _remove(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def is_complete(ckpt: Path) -> bool:
@@ -221,7 +227,7 @@ def _remove(ckpt: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -231,6 +237,6 @@ def _fsync(path: Path) -> None:
 
 def _fsync_dir(path: Path) -> None:
     try:
-        _fsync(path)
+        fsync_file(path)
     except OSError:
         pass  # some file systems cannot fsync a directory; the rename is still atomic

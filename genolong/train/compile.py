@@ -2,10 +2,12 @@
 26% of the GPU time went to thousands of small pointwise kernels and 11% to skinny 32x32-tile
 products, mostly mHC's per-token stream mixes run as [T]-batched 1x4 and 4x4 matrix products).
 
-`apply_compile(model)` swaps the `forward` of each small-op module instance for one that calls
-a `torch.compile`d function of tensors. The functions are genolong/model's own eager math
-(their references), compiled once for every layer: parameters are arguments, not attributes, so
-45 layers share one graph per shape instead of compiling 45 times. Regions:
+`apply_compile(model)` is the last module pass (genolong.train.passes): it switches each small-op
+module to a subclass of its own class (`CompiledHyperConnection`, `CompiledRMSNorm`, ...; print(model)
+shows them) whose methods call a `torch.compile`d function of tensors. The functions are
+genolong/model's own eager math (their references), compiled once for every layer: parameters
+are arguments, not attributes, so 45 layers share one graph per shape instead of compiling 45
+times. Regions:
 
 - mHC (`HyperConnection.forward`): the RMS statistic, the 24-logit projection, sigmoid /
   softmax, Sinkhorn and the pre collapse. Sinkhorn runs as `torch.ops.genolong.mhc_sinkhorn`
@@ -21,26 +23,30 @@ chunk) reuses the graphs instead of compiling again. Compiled regions sit inside
 they compose with full-layer recompute (non-reentrant checkpoint: the compiled backward's saved
 tensors go through the checkpoint's hooks like any other), with the CPU offload's saved-tensor
 hooks outside it, and with the hot ops (`genolong.model.ops.call` is never inside a compiled
-region, so its audit and fallback policy are unchanged). State-dict keys are untouched (only
-instance `forward`/`expand` attributes are set); `CompileHandle.remove()` undoes it. A module
-whose `forward` was already replaced (e.g. the mHC fp32-input ablation) is left as it is.
+region, so its audit and fallback policy are unchanged). State-dict keys are untouched (the
+parameters stay where they are, only the class changes); `CompileHandle.remove()` switches the
+classes back. Only modules of exactly the plain classes are switched: a module another pass
+switched (a tensor-parallel MLP) or wrapped for the mHC fp32-input ablation stays eager.
 """
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 
 import torch
 
 from genolong.errors import GenolongError
+from genolong.model.mhc import HyperConnection
+from genolong.model.mlp import DenseMLP
+from genolong.model.moe import Router
+from genolong.model.norms import GatedRMSNorm, RMSNorm
 
 
 @dataclass
 class CompileHandle:
     model: torch.nn.Module
     sinkhorn: str
-    patched: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
+    switched: list[tuple[torch.nn.Module, type]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     _start: dict[str, int] = field(default_factory=dict)
 
@@ -54,18 +60,17 @@ class CompileHandle:
         }
 
     def remove(self) -> None:
-        for module, name in self.patched:
-            module.__dict__.pop(name, None)
-        self.patched = []
+        for module, plain in self.switched:
+            module.__class__ = plain
+            module.__dict__.pop("triton_sinkhorn", None)
+        self.switched = []
 
 
 def apply_compile(model: torch.nn.Module, *, sinkhorn: str | None = None) -> CompileHandle:
     """Compile the small-op regions of `model` (module docstring). sinkhorn: "triton" (the fused
     kernels through the custom op), "inductor" (traced into the graph), None: triton on CUDA."""
-    from genolong.model.mhc import HyperConnection
-    from genolong.model.mlp import DenseMLP
-    from genolong.model.moe import Router
-    from genolong.model.norms import GatedRMSNorm, RMSNorm
+    from genolong.train.memory import Fp32InputMHC
+    from genolong.train.wrapper import wrappers
 
     device = next(model.parameters()).device
     if sinkhorn is None:
@@ -76,21 +81,19 @@ def apply_compile(model: torch.nn.Module, *, sinkhorn: str | None = None) -> Com
         import genolong.kernels.mhc_sinkhorn  # noqa: F401  (registers torch.ops.genolong.mhc_sinkhorn)
 
     handle = CompileHandle(model, sinkhorn, _start=_dynamo_counters())
-    plan = (
-        (HyperConnection, "forward", _hc_forward_triton if sinkhorn == "triton" else _hc_forward_inductor),
-        (HyperConnection, "expand", _hc_expand),
-        (RMSNorm, "forward", _rms_norm_forward),
-        (GatedRMSNorm, "forward", _gated_rms_norm_forward),
-        (Router, "forward", _router_forward),
-        (DenseMLP, "forward", _dense_mlp_forward),
-    )
+    eager = {id(w.wrapped) for w in wrappers(model, Fp32InputMHC)}
+    switches = {cls.__bases__[0]: cls for cls in _COMPILED_CLASSES}
     for module in model.modules():
-        for cls, name, method in plan:
-            if type(module) is cls and name not in module.__dict__:
-                setattr(module, name, types.MethodType(method, module))
-                handle.patched.append((module, name))
-                key = f"{cls.__name__}.{name}"
-                handle.counts[key] = handle.counts.get(key, 0) + 1
+        compiled_cls = switches.get(type(module))
+        if compiled_cls is None or id(module) in eager:
+            continue
+        handle.switched.append((module, type(module)))
+        module.__class__ = compiled_cls
+        if compiled_cls is CompiledHyperConnection:
+            module.triton_sinkhorn = sinkhorn == "triton"
+        for name in compiled_cls.COMPILED:
+            key = f"{compiled_cls.__bases__[0].__name__}.{name}"
+            handle.counts[key] = handle.counts.get(key, 0) + 1
     return handle
 
 
@@ -156,55 +159,79 @@ _FUNCTIONS = {"hc_forward": hc_forward, "hc_expand": hc_expand, "rms_norm": _nor
               "route": _route, "swiglu_mlp": _swiglu}
 
 
-# ----------------------------------------------------------------------------- instance methods
+# ----------------------------------------------------------------------------- compiled classes
+
+class CompiledHyperConnection(HyperConnection):
+    COMPILED = ("forward", "expand")
+    triton_sinkhorn: bool
+
+    def forward(self, streams):
+        lead, (n, hidden) = streams.shape[:-2], streams.shape[-2:]
+        flat = streams.reshape(-1, n, hidden)
+        _tokens_dynamic(flat)
+        post, comb, collapsed = compiled("hc_forward")(flat, self.fn, self.base, self.scale, self.n, self.sinkhorn_iters,
+                                                       self.eps, self.rms_eps, self.triton_sinkhorn)
+        return post.reshape(*lead, n), comb.reshape(*lead, n, n), collapsed.reshape(*lead, hidden)
+
+    def expand(self, post, comb, out, residual):
+        lead, (n, hidden) = residual.shape[:-2], residual.shape[-2:]
+        args = (post.reshape(-1, n), comb.reshape(-1, n, n), out.reshape(-1, hidden), residual.reshape(-1, n, hidden))
+        _tokens_dynamic(*args)
+        return compiled("hc_expand")(*args).reshape(*lead, n, hidden)
+
+    def extra_repr(self) -> str:
+        return f"compiled, sinkhorn={'triton' if self.triton_sinkhorn else 'inductor'}"
 
 
-def _hc(self, streams, triton_sinkhorn: bool):
-    lead, (n, hidden) = streams.shape[:-2], streams.shape[-2:]
-    flat = streams.reshape(-1, n, hidden)
-    _tokens_dynamic(flat)
-    post, comb, collapsed = compiled("hc_forward")(flat, self.fn, self.base, self.scale, self.n, self.sinkhorn_iters,
-                                                   self.eps, self.rms_eps, triton_sinkhorn)
-    return post.reshape(*lead, n), comb.reshape(*lead, n, n), collapsed.reshape(*lead, hidden)
+class CompiledRMSNorm(RMSNorm):
+    COMPILED = ("forward",)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        _tokens_dynamic(flat)
+        return compiled("rms_norm")(flat, self.weight, self.eps).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, compiled".lstrip(", ")
 
 
-def _hc_forward_triton(self, streams):
-    return _hc(self, streams, True)
+class CompiledGatedRMSNorm(GatedRMSNorm):
+    COMPILED = ("forward",)
+
+    def forward(self, x, gate):
+        flat, flat_gate = x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1])
+        _tokens_dynamic(flat, flat_gate)
+        return compiled("gated_rms_norm")(flat, flat_gate, self.weight, self.eps).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, compiled".lstrip(", ")
 
 
-def _hc_forward_inductor(self, streams):
-    return _hc(self, streams, False)
+class CompiledRouter(Router):
+    COMPILED = ("forward",)
+
+    def forward(self, x):
+        _tokens_dynamic(x)
+        return compiled("route")(x, self.weight, self.e_score_correction_bias, self.cfg)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, compiled".lstrip(", ")
 
 
-def _hc_expand(self, post, comb, out, residual):
-    lead, (n, hidden) = residual.shape[:-2], residual.shape[-2:]
-    args = (post.reshape(-1, n), comb.reshape(-1, n, n), out.reshape(-1, hidden), residual.reshape(-1, n, hidden))
-    _tokens_dynamic(*args)
-    return compiled("hc_expand")(*args).reshape(*lead, n, hidden)
+class CompiledDenseMLP(DenseMLP):
+    COMPILED = ("forward",)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        _tokens_dynamic(flat)
+        out = compiled("swiglu_mlp")(flat, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.swiglu_limit)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, compiled".lstrip(", ")
 
 
-def _rms_norm_forward(self, x):
-    flat = x.reshape(-1, x.shape[-1])
-    _tokens_dynamic(flat)
-    return compiled("rms_norm")(flat, self.weight, self.eps).reshape(x.shape)
-
-
-def _gated_rms_norm_forward(self, x, gate):
-    flat, flat_gate = x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1])
-    _tokens_dynamic(flat, flat_gate)
-    return compiled("gated_rms_norm")(flat, flat_gate, self.weight, self.eps).reshape(x.shape)
-
-
-def _router_forward(self, x):
-    _tokens_dynamic(x)
-    return compiled("route")(x, self.weight, self.e_score_correction_bias, self.cfg)
-
-
-def _dense_mlp_forward(self, x):
-    flat = x.reshape(-1, x.shape[-1])
-    _tokens_dynamic(flat)
-    out = compiled("swiglu_mlp")(flat, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.swiglu_limit)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+_COMPILED_CLASSES = (CompiledHyperConnection, CompiledRMSNorm, CompiledGatedRMSNorm, CompiledRouter, CompiledDenseMLP)
 
 
 # ----------------------------------------------------------------------------- helpers

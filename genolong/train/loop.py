@@ -19,8 +19,14 @@ Everything a step depends on is either in the checkpoint (weights, optimizer, sa
 RNG states, counters) or a pure function of the options (the schedule), so a resumed run
 repeats the uninterrupted run's losses exactly on CPU.
 
-Parallelism is applied from outside: the loss takes a global valid count, and nothing here
-creates a process group.
+Across processes (torchrun or --launcher ray; docs/parallel.md) the same loop runs on every rank:
+genolong.train.distributed joins the process group and builds the mesh, genolong.train.passes
+applies every pass (kernel policy, tensor/expert/context parallel, MoE chunking, recompute,
+offload, compile, gradient sync) in its fixed order, each "batch" rank reads its own windows and
+each cp rank its shard of them (genolong.parallel.data), the valid count and the loss are summed
+over the "loss" group, gradients over their groups, rank 0 writes the logs, and checkpoints are
+written with torch.distributed.checkpoint (genolong.parallel.checkpoint). With one process and no
+process group this is exactly the single-device loop (no collective is made).
 """
 
 from __future__ import annotations
@@ -40,13 +46,17 @@ import torch
 
 from genolong.errors import GenolongError
 from genolong.model import ops
+from genolong.parallel import checkpoint as dist_ckpt
+from genolong.parallel.data import cp_shard, load_sampler_state, sampler_state
 from genolong.train import checkpoint as ckpt_io
+from genolong.train import distributed
 from genolong.train.flops import peak_flops, step_flops
 from genolong.train.indexer import IndexerTraining, trainable_parameters
 from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss
 from genolong.train.metrics import JsonlLog, Progress, StepRecord, TensorBoardLog
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
 from genolong.train.plan import moe_chunks_checkpointed
+from genolong.train.passes import parallelize
 from genolong.train.options import (
     TrainOptions,
     resolve_device,
@@ -96,26 +106,36 @@ def check_inputs(options: TrainOptions) -> None:
 
         get_preset(options.preset)
     resolve_dtype(options, resolve_device(options))
+    distributed.check_processes(options, _model_config(options))
 
 
 def train(options: TrainOptions) -> list[dict]:
-    """Run, or with `options.resume` continue, the run in `options.out`; return this invocation's records."""
+    """Run, or with `options.resume` continue, the run in `options.out`; return this invocation's records
+    (on every rank of a multi-process run; rank 0 writes the logs)."""
     check_inputs(options)
     default_cuda_allocator()
-    device = resolve_device(options)
+    procs = distributed.start(options, _model_config(options), resolve_device(options))
+    try:
+        return _train(options, procs)
+    finally:
+        procs.close()
+
+
+def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
+    device = procs.device
     dtype = resolve_dtype(options, device)
     run_dir = Path(options.out)
     resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
-    if resume_from is None:
+    # Every rank has checked --out before rank 0 creates the run there.
+    procs.barrier()
+    if resume_from is None and procs.main:
         _start_run_dir(run_dir, options)
 
     _seed_everything(options.seed)
-    sampler = _open_sampler(options)
-    model, dna_map = _build_model(options, device, dtype, resume_from)
-    _set_kernel_policy(resolve_kernels(options, device))
-    # Before the memory options: an mHC forward they replace (the fp32-input ablation) stays eager.
-    compiled = _apply_compile(model, options)
-    handle = _apply_memory(model, options)
+    sampler = _open_sampler(options, *procs.coords("batch"))
+    model, dna_map = _build_model(options, device, dtype, resume_from, procs)
+    parallel = parallelize(model, options, procs.pmesh, kernels=resolve_kernels(options, device))
+    handle = parallel.memory
     indexer = IndexerTraining(
         model,
         coeff=options.indexer_loss_coeff,
@@ -132,19 +152,14 @@ def train(options: TrainOptions) -> list[dict]:
     )
     start, nonfinite_total, nonfinite_run = 0, 0, 0
     if resume_from is not None:
-        state = ckpt_io.load_trainer_state(resume_from)
-        try:
-            optimizer.load_state_dict(ckpt_io.load_optimizer_state(resume_from, device))
-        except (KeyError, RuntimeError) as err:
-            raise GenolongError(f"--resume {run_dir}: the optimizer state of {resume_from.name} does not match the model ({err})") from None
+        state = _restore(resume_from, model, optimizer, procs)
         if options.overfit == 0:
-            sampler.load_state_dict(ckpt_io.from_jsonable(state["sampler"]))
-        ckpt_io.restore_rng(state["rng"])
+            load_sampler_state(sampler, ckpt_io.from_jsonable(state["sampler"]))
         start = int(state["step"])
         nonfinite_total, nonfinite_run = int(state["nonfinite_total"]), int(state["nonfinite_run"])
         log.info("resumed %s at step %d", run_dir, start)
 
-    batches = _batches(options, sampler, dna_map, device, start)
+    batches = _batches(options, sampler, dna_map, device, start, procs)
     chunk = options.memory.loss_chunk_tokens or auto_chunk_tokens(model.config.vocab_size)
     flops = step_flops(
         model.config,
@@ -154,18 +169,22 @@ def train(options: TrainOptions) -> list[dict]:
         moe_recompute=moe_chunks_checkpointed(options.batch * options.seq_len, options.memory),
     ).scaled(options.batch)
     peak = peak_flops(torch.cuda.get_device_name(device) if device.startswith("cuda") else None)
+    peak = peak * procs.world if peak else peak
     end = options.steps if options.stop_after is None else min(options.steps, start + options.stop_after)
 
-    jsonl = JsonlLog(run_dir / ckpt_io.METRICS_FILE, truncate_after_step=start if resume_from is not None else None)
-    tensorboard = TensorBoardLog(run_dir, options.tensorboard)
-    progress = Progress(options.steps, start, options.progress)
+    if procs.main:
+        jsonl = JsonlLog(run_dir / ckpt_io.METRICS_FILE, truncate_after_step=start if resume_from is not None else None)
+        tensorboard = TensorBoardLog(run_dir, options.tensorboard)
+        progress = Progress(options.steps, start, options.progress)
+    else:
+        jsonl = tensorboard = progress = _Discard()
     records: list[dict] = []
-    ops.reset_audit()
+    parallel.policy.reset_audit()
     model.train()
     try:
         for step in range(start, end):
             batch = next(batches)
-            record = _train_step(model, optimizer, batch, options, step, chunk, device, handle, flops, peak, indexer)
+            record = _train_step(model, optimizer, batch, options, step, chunk, device, parallel, flops, peak, indexer, procs)
             nonfinite_run = nonfinite_run + 1 if record.skipped else 0
             nonfinite_total += int(record.skipped)
             record.nonfinite_total = nonfinite_total
@@ -173,10 +192,10 @@ def train(options: TrainOptions) -> list[dict]:
             tensorboard.write(record)
             progress.update(record)
             records.append(record.__dict__.copy())
-            if step == start:
-                _write_kernel_audit(run_dir)
+            if step == start and procs.main:
+                _write_kernel_audit(run_dir, parallel.policy)
                 _write_memory_setup(run_dir, handle)
-                _write_compile_setup(run_dir, compiled)
+                _write_compile_setup(run_dir, parallel.compiled)
             if nonfinite_run >= options.max_nonfinite:
                 raise TrainingStopped(
                     f"stopped at step {step + 1}: {nonfinite_run} consecutive steps had a non-finite loss or gradient "
@@ -185,31 +204,47 @@ def train(options: TrainOptions) -> list[dict]:
                 )
             done = step + 1
             if done == end or (options.save_every and done % options.save_every == 0):
-                _save(run_dir, done, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run)
+                _save(run_dir, done, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run, procs)
     finally:
         indexer.clear()
         progress.close()
         jsonl.close()
         tensorboard.close()
-        if handle is not None and hasattr(handle, "remove"):
-            # Gives the pinned host pool back now: a benchmark calling train() repeatedly in one
-            # process would otherwise hold one pool per run until garbage collection.
-            handle.remove()
+        # Gives the pinned host pool back now: a benchmark calling train() repeatedly in one
+        # process would otherwise hold one pool per run until garbage collection.
+        parallel.remove()
     return records
 
 
-def _train_step(model, optimizer, batch_list, options, step, chunk, device, handle, flops, peak, indexer) -> StepRecord:
+class _Discard:
+    """The logs of ranks other than 0: every record is rank 0's already (global sums)."""
+
+    def write(self, record) -> None:
+        pass
+
+    def update(self, record) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _train_step(model, optimizer, batch_list, options, step, chunk, device, parallel, flops, peak, indexer, procs) -> StepRecord:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    _reset_host_peak(handle)
+    handle = parallel.memory
+    handle.reset_stats()
     t0 = time.perf_counter()
-    valid_count = sum(int(b.valid.sum()) for b in batch_list)
+    # One count of valid targets for the whole step, every rank's tokens once (docs/parallel.md).
+    local_valid = torch.tensor(sum(int(b.valid.sum()) for b in batch_list), dtype=torch.int64, device=device)
+    valid_count = int(procs.sum(local_valid))
+    loss_ranks = procs.coords("loss")[1]
     total = torch.zeros((), dtype=torch.float32, device=device)
     indexer.begin_step(step)
     for micro in batch_list:
-        indexer.micro_batch(1 / len(batch_list))
+        indexer.micro_batch(1 / (len(batch_list) * loss_ranks))
         with indexer.forward_context():
             hidden = model.hidden_states(micro.inputs)
             weight = model.lm_head.weight
@@ -221,18 +256,28 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
             loss.backward()
         total += loss.detach()
         del hidden, loss
-    loss_value = float(total)
-    grad_norm = optimizer.grad_norm()
+    loss_value = float(procs.sum(total))
+    if parallel.grads is not None:
+        parallel.grads.reduce()
+        grad_norm = parallel.grads.grad_norm()
+    else:
+        grad_norm = optimizer.grad_norm()
     lr = lr_at(step, options.lr, options.warmup, options.steps, options.min_lr_ratio)
+    # Every rank holds the same summed loss and global norm, so every rank makes the same decision.
     skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
     if not skipped:
         optimizer.step(lr, clip_scale(grad_norm, options.grad_clip), only=indexer.update_only())
     optimizer.zero_grad()
-    indexer_metrics = indexer.end_step()
+    indexer_metrics = distributed_indexer_metrics(indexer.end_step(), procs)
     if cuda:
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
     tokens = options.batch * options.seq_len
+    peak_gpu, reserved_gpu, pinned = procs.max_over_ranks([
+        torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
+        torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
+        _host_peak(handle),
+    ])
     return StepRecord(
         step=step + 1,
         loss=loss_value,
@@ -247,12 +292,29 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
         hardware_tflops=flops.hardware / 1e12,
         mfu=flops.model / elapsed / peak if peak else None,
         hfu=flops.hardware / elapsed / peak if peak else None,
-        peak_gpu_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
-        reserved_gpu_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
-        pinned_host_gib=_host_peak(handle),
+        peak_gpu_gib=peak_gpu,
+        reserved_gpu_gib=reserved_gpu,
+        pinned_host_gib=pinned,
         nonfinite_total=0,
         **indexer_metrics,
     )
+
+
+def distributed_indexer_metrics(metrics: dict, procs) -> dict:
+    """The indexer's per-layer KL (each rank's share of the step mean) summed over the "loss" ranks,
+    its recall averaged over them; unchanged for one process."""
+    if procs.pmesh is None:
+        return metrics
+    ranks = procs.coords("loss")[1]
+    for key, scale in (("indexer_loss", 1.0), ("indexer_recall", 1.0 / ranks)):
+        layers = metrics.get(f"{key}_layers")
+        if not layers:
+            continue
+        names = sorted(layers)
+        summed = procs.sum(torch.tensor([layers[n] for n in names], dtype=torch.float64, device=procs._reduce_device())) * scale
+        metrics[f"{key}_layers"] = {n: float(v) for n, v in zip(names, summed.tolist(), strict=True)}
+        metrics[key] = sum(metrics[f"{key}_layers"].values()) / len(names)
+    return metrics
 
 
 # ------------------------------------------------------------------------------ set-up pieces
@@ -297,7 +359,9 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _open_sampler(options: TrainOptions):
+def _open_sampler(options: TrainOptions, rank: int = 0, ranks: int = 1):
+    """The window sampler of batch rank `rank` of `ranks` (genolong.parallel.data: every rank draws
+    from the run's one stream of windows, each step's `batch` windows split over the ranks)."""
     from genolong.data import WindowSampler, open_prepared
 
     if not Path(options.data).is_dir():
@@ -319,23 +383,44 @@ def _open_sampler(options: TrainOptions):
         seed=options.seed,
         max_n_fraction=options.max_n_fraction,
         reverse_complement=options.reverse_complement,
+        rank=rank,
+        world_size=ranks,
     )
 
 
-def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None):
-    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
-
-    The pre-flight memory check runs on the config, before any weight is allocated.
-    """
-    from genolong.model import GenoLongForCausalLM, from_pretrained, get_preset
+def _model_config(options: TrainOptions):
+    """The config of the model the run will build (same order as _build_model), read without weights."""
+    from genolong.model import get_preset
     from genolong.model.checkpoint import read_config
     from genolong.model.hf_config import from_hf
+
+    if options.resume:
+        ckpt = ckpt_io.check_run_dir(options.out)
+        return from_hf(read_config(ckpt if dist_ckpt.is_distributed(ckpt) else ckpt / ckpt_io.MODEL_DIR))
+    if options.model_path:
+        return from_hf(read_config(options.model_path))
+    return get_preset(options.preset)
+
+
+def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None, procs):
+    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
+
+    The pre-flight memory check runs on the config, before any weight is allocated. A multi-process
+    checkpoint's weights are loaded later (`_restore`), into the model after its parallel passes."""
+    from genolong.model import GenoLongForCausalLM, from_pretrained
     from genolong.model.vocab import dna_to_checkpoint_ids
 
+    config = _model_config(options)
+    if procs.layout.cp == procs.layout.tp == procs.layout.ep == 1:
+        # The plan below assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
+        _preflight(config, options, device)
     dna_map = None
-    if resume_from is not None or options.model_path:
+    if resume_from is not None and dist_ckpt.is_distributed(resume_from):
+        model = dist_ckpt.build_model(resume_from, dtype, device)
+        ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
+        dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
+    elif resume_from is not None or options.model_path:
         source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
-        _preflight(from_hf(read_config(source)), options, device)
         model = from_pretrained(source, dtype=dtype, device=device)
         if resume_from is not None:
             ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
@@ -343,13 +428,34 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
         else:
             dna_map = dna_to_checkpoint_ids(source, vocab_size=model.config.vocab_size)
     else:
-        config = get_preset(options.preset)
-        _preflight(config, options, device)
         with torch.device(device):
             model = GenoLongForCausalLM(config, dtype=dtype)
     if dna_map is not None:
         dna_map = dna_map.to(device)
     return model, dna_map
+
+
+def _restore(ckpt: Path, model, optimizer, procs) -> dict:
+    """Weights (multi-process format), optimizer and RNG from `ckpt`, saved at any layout; returns its trainer state."""
+    if dist_ckpt.is_distributed(ckpt):
+        state = dist_ckpt.load(ckpt, model=model, optimizer=optimizer, pmesh=procs.pmesh)
+        dist_ckpt.restore_rng(ckpt)
+        return state
+    state = ckpt_io.load_trainer_state(ckpt)
+    saved = ckpt_io.load_optimizer_state(ckpt, procs.device)
+    try:
+        if procs.pmesh is not None and (procs.layout.tp > 1 or procs.layout.ep > 1):
+            from genolong.parallel.tensor_state import load_full_state
+
+            # A one-process checkpoint holds whole tensors: each rank keeps its part.
+            local = optimizer.state_dict()
+            load_full_state({k: v for k, v in local.items() if not k.startswith("step")}, saved, procs.pmesh)
+            saved = {**local, **{k: v for k, v in saved.items() if k.startswith("step")}}
+        optimizer.load_state_dict(saved)
+    except (KeyError, RuntimeError, GenolongError) as err:
+        raise GenolongError(f"--resume {ckpt.parent.parent}: the optimizer state of {ckpt.name} does not match the model ({err})") from None
+    ckpt_io.restore_rng(state["rng"])
+    return state
 
 
 def _preflight(config, options: TrainOptions, device: str) -> None:
@@ -361,37 +467,10 @@ def _preflight(config, options: TrainOptions, device: str) -> None:
     preflight(config, options.seq_len, options.memory, n_gpus=1, batch=options.micro_batch)
 
 
-def _set_kernel_policy(policy: str) -> None:
-    if policy != "reference":
-        import genolong.kernels
-
-        genolong.kernels.load()
-    ops.use(policy)
-
-
-def _apply_compile(model, options: TrainOptions):
-    if not options.compile:
-        return None
-    from genolong.train.compile import apply_compile
-
-    return apply_compile(model)
-
-
 def _write_compile_setup(run_dir: Path, compiled) -> None:
     """What the compile pass replaced and what dynamo did during the first step (graphs, breaks)."""
     if compiled is not None:
         (run_dir / "compile.json").write_text(json.dumps(compiled.describe(), indent=1) + "\n", encoding="utf-8")
-
-
-def _apply_memory(model, options: TrainOptions):
-    from genolong.train.memory import apply_memory_optimizations
-
-    return apply_memory_optimizations(model, options.memory)
-
-
-def _reset_host_peak(handle) -> None:
-    if handle is not None and hasattr(handle, "reset_stats"):
-        handle.reset_stats()
 
 
 def _host_peak(handle) -> float | None:
@@ -400,43 +479,48 @@ def _host_peak(handle) -> float | None:
     return peak / GIB if peak is not None else None
 
 
-def _batches(options: TrainOptions, sampler, dna_map, device: str, start: int):
-    """Infinite iterator of steps from step `start` on; a step is a list of `grad_accum` micro-batches."""
-    windows = iter(sampler)
+def _batches(options: TrainOptions, sampler, dna_map, device: str, start: int, procs):
+    """Infinite iterator of this rank's steps from step `start` on; a step is a list of `grad_accum`
+    micro-batches of this rank's windows (its share of the step's `batch`, genolong.parallel.data)."""
+    rank, ranks = sampler.rank, sampler.world_size
+    cp = procs.coords("cp")
     if options.overfit:
-        # The fixed set is the fresh sampler's first windows (same seed -> same set on resume).
-        fixed = [next(windows) for _ in range(options.overfit)]
+        # The fixed set is the run's first windows (same seed -> same set on resume, at any layout).
+        fixed = [sampler.window(k) for k in range(options.overfit)]
         k = start * options.batch % len(fixed)
         while True:
             take = [fixed[(k + i) % len(fixed)] for i in range(options.batch)]
             k = (k + options.batch) % len(fixed)
-            yield _split(take, options, dna_map, device)
+            yield _split(take[rank::ranks], options, dna_map, device, cp)
+    windows = iter(sampler)
     while True:
-        yield _split([next(windows) for _ in range(options.batch)], options, dna_map, device)
+        yield _split([next(windows) for _ in range(options.batch // ranks)], options, dna_map, device, cp)
 
 
-def _split(windows, options: TrainOptions, dna_map, device: str) -> list[_Batch]:
+def _split(windows, options: TrainOptions, dna_map, device: str, cp: tuple[int, int] = (0, 1)) -> list[_Batch]:
     tokens = torch.from_numpy(np.stack([np.asarray(w.tokens, dtype=np.uint8) for w in windows])).long()
     if tokens.shape[1] != options.seq_len + 1:
         raise GenolongError(f"the sampler returned windows of {tokens.shape[1]} bases, expected {options.seq_len + 1}")
+    # Shifted before the cp sharding: the last target of a shard is the first input of the next.
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     valid = targets != N_ID
     if dna_map is not None:
         inputs, targets = dna_map.cpu()[inputs], dna_map.cpu()[targets]
-    micro = options.micro_batch
+    inputs, targets, valid = (cp_shard(t, *cp) for t in (inputs, targets, valid))
+    micro = len(windows) // options.grad_accum
     return [
         _Batch(
             inputs[i : i + micro].to(device, non_blocking=True),
             targets[i : i + micro].to(device, non_blocking=True),
             valid[i : i + micro].to(device, non_blocking=True),
         )
-        for i in range(0, options.batch, micro)
+        for i in range(0, len(windows), micro)
     ]
 
 
-def _write_kernel_audit(run_dir: Path) -> None:
+def _write_kernel_audit(run_dir: Path, policy: ops.KernelPolicy) -> None:
     """Which implementation each hot op ran, per layer count (seed lesson: verify the kernels)."""
-    summary = ops.audit_summary()
+    summary = policy.audit_summary()
     (run_dir / "kernels.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if summary:
         log.info("kernels: %s", summary)
@@ -448,23 +532,30 @@ def _write_memory_setup(run_dir: Path, handle) -> None:
         (run_dir / "memory.json").write_text(json.dumps(handle.describe(), indent=1) + "\n", encoding="utf-8")
 
 
-def _save(run_dir, step, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run) -> None:
+def _save(run_dir, step, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run, procs) -> None:
     from genolong.model import save_pretrained
+
+    tokenizer = Path(options.model_path) / "tokenizer.json" if options.model_path and dna_map is not None else None
+    if tokenizer is not None and not tokenizer.is_file():
+        tokenizer = None
 
     def write_model(path: Path) -> None:
         save_pretrained(model, path)
-        if options.model_path and dna_map is not None:
-            tokenizer = Path(options.model_path) / "tokenizer.json"
-            if tokenizer.is_file():
-                shutil.copy2(tokenizer, path / "tokenizer.json")
+        if tokenizer is not None:
+            shutil.copy2(tokenizer, path / "tokenizer.json")
 
     state = {
         "step": step,
         "schedule": {"lr": options.lr, "warmup": options.warmup, "steps": options.steps, "min_lr_ratio": options.min_lr_ratio},
-        "sampler": ckpt_io.to_jsonable(sampler.state_dict()) if options.overfit == 0 else None,
-        "rng": ckpt_io.capture_rng(),
+        "sampler": ckpt_io.to_jsonable(sampler_state(sampler)) if options.overfit == 0 else None,
         "nonfinite_total": nonfinite_total,
         "nonfinite_run": nonfinite_run,
         "dna_token_ids": dna_map.tolist() if dna_map is not None else None,
     }
-    ckpt_io.save(run_dir, step, write_model, optimizer.state_dict(), state, options.keep_last)
+    if procs.pmesh is None:
+        ckpt_io.save(run_dir, step, write_model, optimizer.state_dict(), {**state, "rng": ckpt_io.capture_rng()}, options.keep_last)
+        return
+    state["layout"] = str(procs.layout)
+    extra = {"tokenizer.json": tokenizer} if tokenizer is not None else None
+    dist_ckpt.save(run_dir, step, model=model, optimizer=optimizer, trainer_state=state, pmesh=procs.pmesh,
+                   keep_last=options.keep_last, extra_files=extra)

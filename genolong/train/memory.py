@@ -1,55 +1,95 @@
-"""Switch the memory optimizations on a built model, each independently, from outside the model.
+"""The memory passes: switch each memory optimization on a built model, from outside the model.
 
-`apply_memory_optimizations(model, opts)` reads genolong.train.options.MemoryOptions and returns
-a `MemoryHandle` (the loop reads `stats.peak_pinned_bytes` and calls `reset_stats()` per step):
+`apply_memory_optimizations(model, opts)` reads genolong.train.options.MemoryOptions, wraps
+modules (print(model) shows every wrapper; state-dict keys and parameter names are unchanged,
+genolong.train.wrapper) and returns a `MemoryHandle` (the loop reads `stats.peak_pinned_bytes`
+and calls `reset_stats()` per step; `remove()` unwraps everything). In the pass order of
+genolong.train.passes: MoE chunking and the mHC switch first (they wrap modules inside a layer),
+then recompute and offload (they wrap whole layers):
 
-- recompute: `model.layer_runner` = genolong.train.recompute.LayerRunner (whole layers under a
-  non-reentrant checkpoint).
-- offload: the runner wraps each checkpoint in a genolong.train.offload.HostOffloader's hooks.
-  `offload_layers=None` decides per sequence length, at the first layer of a forward: the
-  fewest layers that make the plan (genolong.train.plan) fit the GPU budget, the *first* layers
-  (their inputs wait longest for backward, so their uploads have the most time to overlap). On
-  a machine without CUDA there is no device memory to save, so None offloads nothing there;
-  an explicit count still runs the (pageable) offload path, which is how the CPU tests use it.
-- moe_chunking: each MoE runs over the sequence in chunks of `moe_chunk_tokens` tokens, each
-  chunk under its own checkpoint. The chunking bounds the transient of skewed real-data routing
-  (seed optimization 8); the checkpoint is what makes it pay under full recompute, where a
-  layer's whole activation set is alive during its backward: the MoE then keeps one chunk's
-  activations instead of the sequence's, for one extra MoE forward per layer.
-- mhc_low_precision=False (ablation / --baseline only): the mHC projection reads an fp32 copy of
-  its input, as an out-of-the-box port does. The model never keeps one (genolong.model.mhc
-  applies the fp32 RMS statistic to the 24 logits instead); this switch puts it back so the
-  ablation can measure what it costs.
+- moe_chunking: `ChunkedMoE(MoE)` runs the MoE over the sequence in chunks of `moe_chunk_tokens`
+  tokens, each chunk under its own checkpoint. The chunking bounds the transient of skewed
+  real-data routing (seed optimization 8); the checkpoint is what makes it pay under full
+  recompute, where a layer's whole activation set is alive during its backward: the MoE then
+  keeps one chunk's activations instead of the sequence's, for one extra MoE forward per layer.
+- mhc_low_precision=False (ablation / --baseline only): `Fp32InputMHC(HyperConnection)` runs the
+  mHC projection on an fp32 copy of its input, as an out-of-the-box port does. The model never
+  keeps one (genolong.model.mhc applies the fp32 RMS statistic to the 24 logits instead); this
+  switch puts it back so the ablation can measure what it costs (the compile pass leaves it eager).
+- recompute: `Recompute(DecoderLayer)` (genolong.train.recompute): whole layers under a
+  non-reentrant checkpoint.
+- offload: `Offload(Recompute(...))` (genolong.train.offload): the checkpointed input goes to a
+  HostOffloader's host pool. `offload_layers=None` decides per sequence length, at the first
+  layer of a forward: the fewest layers that make the plan (genolong.train.plan) fit the GPU
+  budget, the *first* layers (their inputs wait longest for backward, so their uploads have the
+  most time to overlap). On a machine without CUDA there is no device memory to save, so None
+  offloads nothing there; an explicit count still runs the (pageable) offload path, which is how
+  the CPU tests use it.
 - chunked_loss is the loop's (genolong.train.loss).
-
-Nothing here changes a parameter or a state-dict key: the runner is an attribute, the MoE and
-mHC switches are per-instance `forward` overrides, and `MemoryHandle.remove()` undoes all of it.
 """
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from genolong.train.offload import HostOffloader, OffloadStats
+from genolong.train.offload import HostOffloader, Offload, OffloadStats
 from genolong.train.options import MemoryOptions
-from genolong.train.recompute import LayerRunner
+from genolong.train.recompute import Recompute, apply_recompute, checkpointed, decoder_body
+from genolong.train.wrapper import ModuleWrapper, unwrap, wrap
+
+
+class ChunkedMoE(ModuleWrapper):
+    """The wrapped MoE over the flattened tokens in checkpointed chunks (every step of the MoE is
+    per token, so the result equals the unchunked one)."""
+
+    def __init__(self, module: torch.nn.Module, chunk_tokens: int) -> None:
+        super().__init__(module)
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= self.chunk_tokens:
+            return self.wrapped(x)
+        pieces = []
+        for start in range(0, flat.shape[0], self.chunk_tokens):
+            piece = flat[start : start + self.chunk_tokens]
+            if torch.is_grad_enabled():
+                pieces.append(checkpointed(self.wrapped, piece, preserve_rng_state=False))
+            else:
+                pieces.append(self.wrapped(piece))
+        return torch.cat(pieces, dim=0).view_as(x)
+
+    def extra_repr(self) -> str:
+        return f"chunk_tokens={self.chunk_tokens}, each chunk checkpointed"
+
+
+class Fp32InputMHC(ModuleWrapper):
+    """The wrapped hyper-connection on an fp32 copy of its input (what seed optimization 7 removed)."""
+
+    def forward(self, streams: torch.Tensor):
+        post, comb, collapsed = self.wrapped(streams.float())
+        return post, comb, collapsed.to(streams.dtype)
+
+    def extra_repr(self) -> str:
+        return "ablation: reads an fp32 copy of its input"
 
 
 @dataclass
 class MemoryHandle:
     model: torch.nn.Module
     opts: MemoryOptions
-    runner: LayerRunner | None = None
+    recompute: list[Recompute] = field(default_factory=list)
     offloader: HostOffloader | None = None
-    patched: list[torch.nn.Module] = field(default_factory=list)
 
     @property
     def stats(self) -> OffloadStats | None:
         return self.offloader.stats if self.offloader is not None else None
+
+    def recompute_calls(self) -> int:
+        """Checkpointed layer calls so far (tests: the wrappers really ran)."""
+        return sum(w.calls for w in self.recompute)
 
     def pinned_bytes(self) -> int:
         """Host bytes holding offloaded layer inputs right now (0 between steps)."""
@@ -63,7 +103,7 @@ class MemoryHandle:
         if self.offloader is None:
             return []
         if self.offloader.layers is None:
-            return list(range(len(_layers(self.model))))
+            return list(range(len(decoder_body(self.model).layers)))
         return sorted(self.offloader.layers)
 
     def reset_stats(self) -> None:
@@ -72,7 +112,7 @@ class MemoryHandle:
 
     def describe(self) -> dict:
         return {
-            "recompute": self.runner is not None,
+            "recompute": bool(self.recompute),
             "offload_layers": self.offload_layers(),
             "moe_chunk_tokens": self.opts.moe_chunk_tokens if self.opts.moe_chunking else None,
             "mhc_fp32_input": not self.opts.mhc_low_precision,
@@ -81,11 +121,10 @@ class MemoryHandle:
         }
 
     def remove(self) -> None:
-        """Undo every switch (the model runs exactly as built again) and free the host pool."""
-        _inner(self.model).layer_runner = None
-        for module in self.patched:
-            module.__dict__.pop("forward", None)
-        self.patched = []
+        """Undo every wrapper (the model runs exactly as built again) and free the host pool."""
+        for kind in (Offload, Recompute, ChunkedMoE, Fp32InputMHC):
+            unwrap(self.model, kind)
+        self.recompute = []
         if self.offloader is not None:
             self.offloader.release()
 
@@ -94,41 +133,40 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
     """Switch on what `opts` asks for (module docstring); returns the handle that undoes it."""
     opts.validate()
     handle = MemoryHandle(model, opts)
-    if opts.recompute:
-        if opts.offload:
-            layers = None if opts.offload_layers is None else range(opts.offload_layers)
-            handle.offloader = HostOffloader(
-                layers=layers if layers is not None else (),
-                pinned=opts.offload_pinned,
-                overlap=opts.offload_overlap,
-                host_budget_bytes=int(opts.host_budget_gib * 2**30) if opts.host_budget_gib is not None else None,
-            )
-        handle.runner = _BudgetedRunner(model, opts, handle.offloader) if opts.offload and opts.offload_layers is None else LayerRunner(offloader=handle.offloader)
-        _inner(model).layer_runner = handle.runner
     if opts.moe_chunking:
-        for module in _moe_modules(model):
-            _override(handle, module, _chunked_moe_forward, chunk_tokens=opts.moe_chunk_tokens)
+        _wrap_all(model, _moe_class(), ChunkedMoE, chunk_tokens=opts.moe_chunk_tokens)
     if not opts.mhc_low_precision:
-        for module in _hyper_connections(model):
-            _override(handle, module, _fp32_input_hc_forward)
+        _wrap_all(model, _hyper_connection_class(), Fp32InputMHC)
+    if opts.recompute:
+        handle.recompute = apply_recompute(model)
+        if opts.offload:
+            _apply_offload(handle, model, opts)
     return handle
 
 
-class _BudgetedRunner(LayerRunner):
-    """A LayerRunner whose offloaded layers are chosen from the plan when the length is first seen."""
+def _apply_offload(handle: MemoryHandle, model: torch.nn.Module, opts: MemoryOptions) -> None:
+    budgeted = opts.offload_layers is None
+    handle.offloader = HostOffloader(
+        layers=() if budgeted else range(opts.offload_layers),
+        pinned=opts.offload_pinned,
+        overlap=opts.offload_overlap,
+        host_budget_bytes=int(opts.host_budget_gib * 2**30) if opts.host_budget_gib is not None else None,
+    )
+    body = decoder_body(model)
+    decide = OffloadBudget(body.config, opts) if budgeted else None
+    for i in range(len(body.layers)):
+        wrap(body.layers, str(i), Offload, handle.offloader, i, decide=decide if i == 0 else None)
 
-    def __init__(self, model: torch.nn.Module, opts: MemoryOptions, offloader: HostOffloader) -> None:
-        super().__init__(offloader=offloader)
-        self.config = _inner(model).config
+
+class OffloadBudget:
+    """How many leading layers offload at a sequence length: the plan's answer for the device's memory."""
+
+    def __init__(self, config, opts: MemoryOptions) -> None:
+        self.config = config
         self.opts = opts
         self.decided: dict[tuple[int, torch.dtype], int] = {}
 
-    def __call__(self, layer_idx, layer, hidden_streams, *args, **kwargs):
-        if layer_idx == 0 and torch.is_grad_enabled():
-            self.offloader.layers = frozenset(range(self._count(hidden_streams)))
-        return super().__call__(layer_idx, layer, hidden_streams, *args, **kwargs)
-
-    def _count(self, streams: torch.Tensor) -> int:
+    def __call__(self, streams: torch.Tensor) -> int:
         if streams.device.type != "cuda":
             return 0
         tokens = streams.shape[0] * streams.shape[1]
@@ -141,64 +179,25 @@ class _BudgetedRunner(LayerRunner):
             self.decided[key] = est.offload_layers
         return self.decided[key]
 
-
-def _chunked_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """MoE over the flattened tokens in checkpointed chunks (every step of the MoE is per token,
-    so the result equals the unchunked one)."""
-    chunk = self._genolong_chunk_tokens
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= chunk:
-        return type(self).forward(self, x)
-    run = _class_forward(self)
-    pieces = []
-    for start in range(0, flat.shape[0], chunk):
-        piece = flat[start : start + chunk]
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(run, piece, use_reentrant=False, preserve_rng_state=False))
-        else:
-            pieces.append(run(piece))
-    return torch.cat(pieces, dim=0).view_as(x)
+    def __repr__(self) -> str:
+        return "OffloadBudget(from genolong.train.plan)"
 
 
-def _class_forward(module: torch.nn.Module):
-    """The module's own (class) forward, bypassing the instance override."""
-    cls_forward = type(module).forward
-
-    def run(piece: torch.Tensor) -> torch.Tensor:
-        return cls_forward(module, piece)
-
-    return run
+def _wrap_all(model: torch.nn.Module, cls: type, wrapper: type[ModuleWrapper], **kwargs) -> None:
+    """Wrap every module of exactly class `cls` (or a subclass a parallel pass switched it to) once."""
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, cls) and not isinstance(parent, wrapper):
+                wrap(parent, name, wrapper, **kwargs)
 
 
-def _fp32_input_hc_forward(self, streams: torch.Tensor):
-    """The hyper-connection on an fp32 copy of its input (what seed optimization 7 removed)."""
-    post, comb, collapsed = type(self).forward(self, streams.float())
-    return post, comb, collapsed.to(streams.dtype)
-
-
-def _override(handle: MemoryHandle, module: torch.nn.Module, fn, **attrs) -> None:
-    for key, value in attrs.items():
-        setattr(module, f"_genolong_{key}", value)
-    module.forward = types.MethodType(fn, module)
-    handle.patched.append(module)
-
-
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    """GenoLongModel (the module with the layer loop) of a GenoLongForCausalLM or itself."""
-    return model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
-
-
-def _layers(model: torch.nn.Module):
-    return _inner(model).layers
-
-
-def _moe_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _moe_class() -> type:
     from genolong.model.moe import MoE
 
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    return MoE
 
 
-def _hyper_connections(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _hyper_connection_class() -> type:
     from genolong.model.mhc import HyperConnection
 
-    return [m for m in model.modules() if isinstance(m, HyperConnection)]
+    return HyperConnection

@@ -5,7 +5,8 @@ backward: its input, the 4-stream mHC residual `[B, T, 4, hidden]`. torch's non-
 checkpoint saves that input through the saved-tensor machinery, so a
 `torch.autograd.graph.saved_tensors_hooks` pair placed *around* the checkpoint call sees it
 (and nothing else: the checkpoint's own hooks sit inside and take every tensor the layer saves).
-`HostOffloader.hooks(layer_idx)` is that pair:
+The `Offload` wrapper sits around each `Recompute` wrapper and puts
+`HostOffloader.hooks(layer_idx)`, that pair, around its call:
 
 - pack (forward): copy the input into a host buffer on a dedicated device-to-host stream that
   first waits for the tensor to be produced; the GPU tensor is released as soon as the layer loop
@@ -31,12 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from genolong.errors import GenolongError
+from genolong.train.wrapper import ModuleWrapper
 
 # Tensors below this size are not worth a copy (the checkpoint also saves tiny bookkeeping
 # tensors); they stay where they are.
@@ -128,7 +130,7 @@ class HostOffloader:
         self._entries: list[weakref.ReferenceType] = []
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
-    # -- what the layer runner uses -------------------------------------------------------------
+    # -- what the Offload wrapper uses -------------------------------------------------------------
 
     def offloads(self, layer_idx: int) -> bool:
         return self.layers is None or layer_idx in self.layers
@@ -287,6 +289,35 @@ class HostOffloader:
         if device not in self._streams:
             self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams[device]
+
+
+class Offload(ModuleWrapper):
+    """Runs the wrapped (recomputed) layer inside `offloader.hooks(layer_idx)` when autograd records.
+
+    Every recomputed layer gets one, also those whose input stays on the device (their unpack starts
+    the prefetch of the next offloaded one). `decide` (on layer 0 only): called with the layer's
+    input at each forward that records, returns how many leading layers offload (the budget)."""
+
+    def __init__(self, module: torch.nn.Module, offloader: HostOffloader, layer_idx: int,
+                 decide: Callable[[torch.Tensor], int] | None = None) -> None:
+        super().__init__(module)
+        self.offloader = offloader
+        self.layer_idx = layer_idx
+        self.decide = decide
+
+    def forward(self, hidden_streams: torch.Tensor, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.wrapped(hidden_streams, *args, **kwargs)
+        if self.decide is not None:
+            self.offloader.layers = frozenset(range(self.decide(hidden_streams)))
+        with self.offloader.hooks(self.layer_idx):
+            return self.wrapped(hidden_streams, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        where = "to host memory" if self.offloader.offloads(self.layer_idx) else "kept on the device"
+        how = "pinned" if self.offloader.pinned else "pageable"
+        budget = ", the offloaded layers decided from the GPU budget at each new length" if self.decide is not None else ""
+        return f"layer {self.layer_idx}: input {where} ({how}){budget}"
 
 
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:

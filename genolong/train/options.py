@@ -120,6 +120,10 @@ class TrainOptions:
     resume: bool = False  # continue the run in `out` from its latest complete checkpoint
     launcher: str = "local"
     ray_address: str | None = None
+    # The parallel layout "dp=2,cp=2,tp=1,ep=1" (genolong.parallel.layout); None: one process, or
+    # dp = the number of processes torchrun started. A resume may change it (docs/parallel.md).
+    parallel: str | None = None
+    dist_timeout_s: float = 1800.0  # how long a collective waits for a rank before the run fails
     progress: bool = True
     tensorboard: bool = True
     compile: bool = False  # torch.compile the small ops (mHC, norms, router, SwiGLU; genolong.train.compile)
@@ -173,6 +177,11 @@ class TrainOptions:
             raise GenolongError(f"--stop-after must be positive, got {self.stop_after}")
         if self.max_nonfinite < 1:
             raise GenolongError(f"max_nonfinite must be >= 1, got {self.max_nonfinite}")
+        if self.dist_timeout_s <= 0:
+            raise GenolongError(f"--dist-timeout must be positive (seconds), got {self.dist_timeout_s}")
+        from genolong.parallel.layout import parse_layout
+
+        parse_layout(self.parallel)
         if self.preset is None and self.model_path is None:
             raise GenolongError("give --preset NAME (train from scratch) or --model CKPT (fine-tune a checkpoint)")
         self._validate_indexer()

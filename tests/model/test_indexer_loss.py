@@ -16,7 +16,8 @@ from genolong.model.dsa import DSAAttention, sparse_attention_reference
 from genolong.model.indexer import indexer_topk_reference
 from genolong.model.indexer_loss import DENSE, SPARSE, IndexerLossSwitch, indexer_dense_loss, indexer_loss_reference
 from genolong.model.indexer_recall import RecallProbe, sample_queries, selection_recall
-from genolong.train.recompute import LayerRunner
+from genolong.train.recompute import apply_recompute
+from genolong.train.wrapper import unwrap
 
 
 def _rel(a, b):
@@ -134,9 +135,11 @@ def tiny():
     return GenoLongForCausalLM(get_preset("tiny"))
 
 
-def _step(model, ids, coeff, lm_scale=1.0, runner=None, mode=SPARSE):
+def _step(model, ids, coeff, lm_scale=1.0, recompute=None, mode=SPARSE):
+    """recompute: a list that receives the Recompute wrappers, whose layers then run checkpointed."""
     model.zero_grad(set_to_none=True)
-    model.layer_runner = runner
+    if recompute is not None:
+        recompute.extend(apply_recompute(model))
     switch = IndexerLossSwitch(mode, coeff) if coeff is not None else None
     dsa = [layer.self_attn for layer in model.model.layers if layer.kind == "dsa"]
     for attn in dsa:
@@ -145,7 +148,8 @@ def _step(model, ids, coeff, lm_scale=1.0, runner=None, mode=SPARSE):
         logits = model(ids).logits
         (logits.logsumexp(-1).mean() * lm_scale).backward()
     finally:
-        model.layer_runner = None
+        if recompute is not None:
+            unwrap(model, type(recompute[0]))
         for attn in dsa:
             attn.indexer_loss = None
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
@@ -185,9 +189,9 @@ def test_the_lm_loss_does_not_reach_the_indexer(tiny):
 
 def test_recompute_computes_the_loss_once_with_the_same_gradients(tiny):
     _, plain, s1 = _step(tiny, IDS, 1.0)
-    runner = LayerRunner()
-    _, recomputed, s2 = _step(tiny, IDS, 1.0, runner=runner)
-    assert runner.calls == tiny.config.num_layers
+    wrappers = []
+    _, recomputed, s2 = _step(tiny, IDS, 1.0, recompute=wrappers)
+    assert sum(w.calls for w in wrappers) == tiny.config.num_layers
     assert torch.equal(s1.values[3], s2.values[3])
     for name in plain:
         assert _rel(recomputed[name], plain[name]) < 1e-6, name

@@ -365,18 +365,20 @@ def test_fused_policy_on_cpu_fails_at_the_first_layer(tiny_model):
 
 
 def test_auto_policy_records_every_hot_op_per_layer(tiny_model):
-    ops.reset_audit()
-    with ops.policy("auto"), torch.no_grad():
+    with ops.policy("auto") as auto, torch.no_grad():
         tiny_model(torch.zeros(1, 40, dtype=torch.long))
     cfg = tiny_model.config
     expected = {(i, op) for i in range(cfg.num_layers) if i not in cfg.dsa_layers for op in ("kda_short_conv", "kda")}
     expected |= {(i, op) for i in cfg.dsa_layers for op in ("dsa_indexer_topk", "dsa_sparse_attention")}
     expected |= {(i, "moe_experts") for i in cfg.moe_layers}
-    assert set(ops.audit()) == expected
-    assert set(ops.audit().values()) == {ops.REFERENCE}
+    assert set(auto.audit) == expected
+    assert set(auto.audit.values()) == {ops.REFERENCE}
 
 
-def test_layer_runner_sees_every_layer_and_recompute_keeps_gradients(tiny_model):
+def test_recompute_wraps_every_layer_and_keeps_gradients(tiny_model):
+    from genolong.train.recompute import Recompute, apply_recompute
+    from genolong.train.wrapper import unwrap
+
     ids = torch.randint(0, 5, (1, 96), generator=torch.Generator().manual_seed(10))
 
     def grads():
@@ -385,24 +387,20 @@ def test_layer_runner_sees_every_layer_and_recompute_keeps_gradients(tiny_model)
         return {n: p.grad.clone() for n, p in tiny_model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    seen = []
-
-    def recompute(layer_idx, layer, streams, *extra):
-        seen.append(layer_idx)
-        return torch.utils.checkpoint.checkpoint(layer, streams, *extra, use_reentrant=False)
-
-    tiny_model.layer_runner = recompute
+    wrappers = apply_recompute(tiny_model)
     try:
         recomputed = grads()
     finally:
-        tiny_model.layer_runner = None
-    assert seen == list(range(tiny_model.config.num_layers))
+        unwrap(tiny_model, Recompute)
+    assert [w.calls for w in wrappers] == [1] * tiny_model.config.num_layers
     assert plain.keys() == recomputed.keys()
     for name in plain:
         assert torch.allclose(plain[name], recomputed[name], atol=1e-6, rtol=1e-5), name
 
 
-def test_shared_indexer_layer_reuses_topk_through_the_runner():
+def test_shared_indexer_layer_reuses_topk_through_the_wrappers():
+    from genolong.train.recompute import apply_recompute
+
     cfg = get_preset(
         "tiny",
         num_layers=6,
@@ -417,12 +415,8 @@ def test_shared_indexer_layer_reuses_topk_through_the_runner():
     for i in (3, 4):
         model.model.layers[i].self_attn.register_forward_hook(lambda m, a, o, i=i: used.__setitem__(i, o[1]))
     extras = {}
-
-    def runner(layer_idx, layer, streams, *extra):
-        extras[layer_idx] = len(extra)
-        return layer(streams, *extra)
-
-    model.layer_runner = runner
+    for i, wrapper in enumerate(apply_recompute(model)):
+        wrapper.register_forward_pre_hook(lambda m, args, i=i: extras.__setitem__(i, len(args) - 1))
     with torch.no_grad():
         model(torch.randint(0, 5, (1, 80)))
     assert torch.equal(used[3], used[4])

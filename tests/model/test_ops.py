@@ -1,8 +1,12 @@
-"""The kernel-policy registry: fused or fail loudly, and an audit of what ran."""
+"""The kernel-policy registry: fused or fail loudly, an audit of what ran, and policies scoped to a
+context or a model (never process-global), also through the recompute inside backward."""
+
+import threading
 
 import pytest
+import torch
 
-from genolong.model import ops
+from genolong.model import GenoLongForCausalLM, get_preset, ops
 
 
 @pytest.fixture
@@ -10,16 +14,14 @@ def op():
     name = "test_double"
     ops.register(name, ops.REFERENCE, lambda x: ("reference", 2 * x))
     yield name
-    ops._STATE.impls.pop(name, None)
-    ops.use("reference")
+    ops.unregister(name)
 
 
 def test_reference_policy_runs_reference_even_when_fused_exists(op):
     ops.register(op, "fast", lambda x: ("fast", 2 * x))
-    ops.reset_audit()
-    with ops.policy("reference"):
+    with ops.policy("reference") as p:
         assert ops.call(op, 7, 3) == ("reference", 6)
-    assert ops.audit() == {(7, op): "reference"}
+    assert p.audit == {(7, op): "reference"}
 
 
 def test_fused_policy_fails_loudly_when_no_fused_impl(op):
@@ -41,21 +43,98 @@ def test_auto_policy_falls_back_and_records_it(op):
         raise ops.KernelUnsupported("no CUDA")
 
     ops.register(op, "tilelang", declines)
-    ops.reset_audit()
-    with ops.policy("auto"):
+    with ops.policy("auto") as p:
         assert ops.call(op, 0, 2) == ("reference", 4)
-    assert ops.audit_summary() == {op: {"reference": 1}}
+    assert p.audit_summary() == {op: {"reference": 1}}
 
 
 def test_fused_policy_uses_fused_impl_and_audits_it(op):
     ops.register(op, "fast", lambda x: ("fast", 2 * x))
-    ops.reset_audit()
-    with ops.policy("fused"):
+    with ops.policy("fused") as p:
         assert ops.call(op, 1, 5) == ("fast", 10)
         assert ops.call(op, 2, 5) == ("fast", 10)
-    assert ops.audit_summary() == {op: {"fast": 2}}
+    assert p.audit_summary() == {op: {"fast": 2}}
 
 
 def test_unknown_policy_rejected():
     with pytest.raises(ValueError):
         ops.use("fastest")
+    with pytest.raises(ValueError):
+        ops.KernelPolicy("fastest")
+
+
+def test_a_context_policy_is_not_seen_by_another_thread(op):
+    ops.register(op, "fast", lambda x: ("fast", 2 * x))
+    seen = []
+    with ops.policy("fused"):
+        worker = threading.Thread(target=lambda: seen.append(ops.call(op, 0, 1)))
+        worker.start()
+        worker.join()
+        assert ops.call(op, 0, 1) == ("fast", 2)
+    assert seen == [("reference", 2)]  # the other thread runs under its own (default) policy
+
+
+def _counting_model():
+    """The tiny model, whose KDA op gets a 'fast' implementation that counts its calls per thread."""
+    torch.manual_seed(0)
+    return GenoLongForCausalLM(get_preset("tiny"))
+
+
+def test_two_models_with_their_own_policies_in_one_process():
+    reference = ops.implementations("kda")[ops.REFERENCE]
+    calls = []
+
+    def fast(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return reference(*args, **kwargs)
+
+    ops.register("kda", "test_fast", fast)
+    try:
+        plain, fused = _counting_model(), _counting_model()
+        ops.bind(plain, "reference")
+        policy = ops.bind(fused, "fused")
+        assert "kernel_policy=fused" in str(fused) and "kernel_policy=reference" in str(plain)
+        ids = torch.randint(0, 5, (1, 32))
+        with torch.no_grad():
+            plain(ids)
+        assert calls == []  # the reference model never ran the fast implementation
+        # Under the fused model's own policy the KDA layers run "test_fast"; every other op has no
+        # fused implementation here, so the fused policy fails loudly at the first of them, whatever
+        # the context's policy is.
+        with ops.policy("reference"), pytest.raises(ops.KernelFallbackError, match="kda_short_conv"):
+            fused(ids)
+        policy.name = "auto"
+        with torch.no_grad():
+            fused(ids)
+        kda_layers = [i for i in range(fused.config.num_layers) if i not in fused.config.dsa_layers]
+        assert len(calls) == len(kda_layers)
+        assert {(i, "kda") for i in kda_layers} <= set(policy.audit) and policy.audit[(kda_layers[0], "kda")] == "test_fast"
+    finally:
+        ops.unregister("kda", "test_fast")
+
+
+def test_the_recompute_in_backward_runs_under_the_forward_policy():
+    """The layers' recompute happens inside backward (on CUDA, in autograd's own thread, where no
+    context policy is set): it must run the implementation the forward ran."""
+    from genolong.train.recompute import apply_recompute
+
+    reference = ops.implementations("kda")[ops.REFERENCE]
+    calls = []
+
+    def fast(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return reference(*args, **kwargs)
+
+    ops.register("kda", "test_fast", fast)
+    try:
+        model = _counting_model()
+        apply_recompute(model)
+        ids = torch.randint(0, 5, (1, 32))
+        with ops.policy("auto"):
+            loss = model(ids).logits.square().mean()
+        forward_calls = len(calls)
+        assert forward_calls > 0
+        loss.backward()  # outside the context: only the recompute's captured policy can pick "test_fast"
+        assert len(calls) == 2 * forward_calls
+    finally:
+        ops.unregister("kda", "test_fast")

@@ -1,6 +1,6 @@
 """The compile pass (genolong.train.compile) on the CPU with inductor: same outputs and gradients as
 the eager model under full-layer recompute and the offload hooks, no recompilation on a second
-call, state-dict keys unchanged, and everything undone by remove()."""
+call, state-dict keys unchanged, the compiled modules visible in print(model), and everything undone by remove()."""
 
 import pytest
 import torch
@@ -38,7 +38,8 @@ def test_compiled_model_matches_eager_under_recompute_and_offload():
     assert handle.counts == {"HyperConnection.forward": 8, "HyperConnection.expand": 8, "RMSNorm.forward": 11,
                              "GatedRMSNorm.forward": 3, "Router.forward": 1, "DenseMLP.forward": 4}
     loss, grads = _loss_and_grads(model, ids)
-    assert memory.runner.calls == config.num_layers  # the layers really ran under checkpoint
+    assert memory.recompute_calls() == config.num_layers  # the layers really ran under checkpoint
+    assert str(model).count("CompiledHyperConnection(") == 8 and str(model).count("Recompute(") == config.num_layers
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
@@ -52,6 +53,7 @@ def test_compiled_model_matches_eager_under_recompute_and_offload():
 
     memory.remove()
     handle.remove()
+    assert "Compiled" not in str(model) and "Recompute" not in str(model)
     assert not any(name in m.__dict__ for m in model.modules() for name in ("forward", "expand"))
 
 

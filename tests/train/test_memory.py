@@ -1,4 +1,5 @@
-"""Recompute, offload, MoE chunking and the mHC switch on the CPU `tiny` model (genolong.train.memory)."""
+"""Recompute, offload, MoE chunking and the mHC switch on the CPU `tiny` model (genolong.train.memory):
+the passes' wrappers, visible in print(model), with the plain model's keys and names."""
 
 import gc
 import warnings
@@ -11,9 +12,10 @@ from genolong.model import GenoLongForCausalLM, get_preset
 from genolong.train.census import saved_bytes
 from genolong.train.loss import chunked_lm_loss
 from genolong.train.memory import apply_memory_optimizations
-from genolong.train.offload import HostOffloader
+from genolong.train.memory import ChunkedMoE, Fp32InputMHC
+from genolong.train.offload import HostOffloader, Offload
 from genolong.train.options import MemoryOptions
-from genolong.train.recompute import LayerRunner
+from genolong.train.recompute import Recompute
 from genolong.vocab import N_ID
 
 T = 64
@@ -58,10 +60,10 @@ def test_recompute_gives_identical_loss_and_grads(config):
     plain = _loss_and_grads(model)
     handle = apply_memory_optimizations(model, MemoryOptions(offload=False, moe_chunking=False))
     recomputed = _loss_and_grads(model)
-    assert handle.runner.calls == config.num_layers  # the runner really ran every layer
+    assert handle.recompute_calls() == config.num_layers  # the wrappers really ran every layer
     _assert_same(plain, recomputed)
     handle.remove()
-    assert model.model.layer_runner is None
+    assert not any(isinstance(m, Recompute) for m in model.modules())
 
 
 def test_full_stack_matches_plain_and_keeps_state_dict_keys(config):
@@ -69,8 +71,10 @@ def test_full_stack_matches_plain_and_keeps_state_dict_keys(config):
     keys = list(model.state_dict())
     plain = _loss_and_grads(model)
     opts = MemoryOptions(offload_layers=config.num_layers, moe_chunk_tokens=24)
+    names = [n for n, _ in model.named_parameters()]
     handle = apply_memory_optimizations(model, opts)
     assert list(model.state_dict()) == keys
+    assert [n for n, _ in model.named_parameters()] == names
     optimized = _loss_and_grads(model)
     # MoE chunks sum the same per-token terms; only fp32 rounding of the chunked cat may differ.
     _assert_same(plain, optimized, atol=1e-6)
@@ -208,7 +212,6 @@ def test_moe_chunking_saves_less_for_backward(config):
 
 def test_mhc_fp32_input_switch_keeps_an_fp32_copy(config):
     model = GenoLongForCausalLM(config, dtype=torch.bfloat16)
-    hc = model.model.layers[0].attn_hc
     streams = torch.randn(1, T, config.mhc.num_streams, config.hidden, dtype=torch.bfloat16, requires_grad=True)
 
     def fp32_saved():
@@ -220,7 +223,7 @@ def test_mhc_fp32_input_switch_keeps_an_fp32_copy(config):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            hc(streams)
+            model.model.layers[0].attn_hc(streams)  # the module in the model: the wrapper, when the switch is on
         return found
 
     assert fp32_saved() == []  # genolong.model.mhc never keeps one
@@ -243,12 +246,39 @@ def test_budgeted_offload_is_a_no_op_on_cpu(config):
     handle.remove()
 
 
-def test_layer_runner_skips_checkpoint_without_grad():
-    runner = LayerRunner()
-    layer = torch.nn.Linear(4, 4)
+def test_recompute_skips_checkpoint_without_grad():
+    wrapper = Recompute(torch.nn.Linear(4, 4))
     with torch.no_grad():
-        runner(0, layer, torch.randn(2, 4))
-    assert runner.calls == 0
+        wrapper(torch.randn(2, 4))
+    assert wrapper.calls == 0
+
+
+def test_passes_show_in_print_and_keep_keys_names_and_loading(config):
+    model = _model(config)
+    keys, names = list(model.state_dict()), [n for n, _ in model.named_parameters()]
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = apply_memory_optimizations(model, MemoryOptions(offload_layers=1, moe_chunk_tokens=24, mhc_low_precision=False))
+    text = str(model)
+    layers = config.num_layers
+    assert text.count("Offload(") == layers and text.count("Recompute(") == layers
+    assert text.count("ChunkedMoE(") == len(config.moe_layers) and text.count("Fp32InputMHC(") == 2 * layers
+    assert "layer 0: input to host memory" in text and "layer 1: input kept on the device" in text
+    assert list(model.state_dict()) == keys and [n for n, _ in model.named_parameters()] == names
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in _model(config).named_buffers()]
+    # Loading the plain keys reaches the wrapped parameters (strict: nothing missing, nothing unexpected).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(saved)
+    assert all(torch.equal(model.state_dict()[k], saved[k]) for k in keys)
+    # Attribute access and get_submodule see through the wrappers; the layer loop needs both.
+    moe_layer = config.moe_layers[0]
+    assert isinstance(model.model.layers[moe_layer].mlp, ChunkedMoE) and model.model.layers[moe_layer].mlp.experts is not None
+    assert model.get_submodule(f"model.layers.{moe_layer}.mlp.experts") is model.model.layers[moe_layer].mlp.experts
+    assert isinstance(model.model.layers[0], Offload) and model.model.layers[0].emits_topk is False
+    assert isinstance(model.model.layers[0].attn_hc, Fp32InputMHC)
+    handle.remove()
+    assert str(model) == str(_model(config))
 
 
 @pytest.mark.gpu
@@ -258,25 +288,25 @@ def test_offload_on_cuda_streams_round_trips_and_matches_plain():
     layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)).cuda()
     x = torch.randn(4, 2048, 256, device="cuda")
 
-    def run(runner):
+    def run(wrapped):
         layers.zero_grad(set_to_none=True)
         h = x * 1.0
-        for i, layer in enumerate(layers):
-            h = runner(i, layer, h) if runner else layer(h)
+        for layer in wrapped:
+            h = layer(h)
         h.square().mean().backward()
         return [p.grad.clone() for p in layers.parameters()]
 
-    plain = run(None)
+    plain = run(layers)
     off = HostOffloader(layers=[0, 1, 2, 4])
-    runner = LayerRunner(offloader=off)
+    wrapped = [Offload(Recompute(layer), off, i) for i, layer in enumerate(layers)]
     for _ in range(3):
-        got = run(runner)
+        got = run(wrapped)
         for a, b in zip(plain, got):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
         assert off.pinned_bytes() == 0
     assert off.stats.prefetch_hits >= 2  # layers 2 and 1 (and 0) were uploaded ahead of their unpack
     assert all(b.pinned for b in off._all)
     reserved = off.reserved_bytes()
-    run(runner)
+    run(wrapped)
     assert off.reserved_bytes() == reserved == 4 * x.numel() * 4
     off.release()

@@ -106,13 +106,13 @@ def fused_stand_ins(monkeypatch):
     from genolong.model.dsa import sparse_attention_reference
     from genolong.model.kda import kda_reference
 
-    impls = {op: dict(v) for op, v in ops._STATE.impls.items()}
+    impls = {op: dict(v) for op, v in ops._IMPLS.items()}
     impls["kda"]["stand_in"] = lambda q, k, v, g, beta: _KeepInputs.apply(kda_reference, {}, False, q, k, v, g, beta)
     impls["dsa_sparse_attention"]["stand_in"] = lambda q, kv, idx, *, scale: _KeepInputs.apply(
         sparse_attention_reference, {"scale": scale}, True, q, kv, idx
     )
     impls["moe_experts"]["stand_in"] = lambda *a, **kw: experts_grouped(*a, mm=grouped_mm_loop, **kw)
-    monkeypatch.setattr(ops._STATE, "impls", impls)
+    monkeypatch.setattr(ops, "_IMPLS", impls)
     with ops.policy("auto"):
         yield
 
