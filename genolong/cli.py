@@ -34,6 +34,7 @@ COMMANDS = [
     ("model-info", "genolong.model.cli", "model_info"),
     ("finetune", "genolong.train.cli", "finetune"),
     ("plan", "genolong.train.cli", "plan"),
+    ("export", "genolong.train.export_cli", "export"),
     ("eval-positional", "genolong.eval.cli", "eval_positional"),
 ]
 

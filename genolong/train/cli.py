@@ -48,8 +48,13 @@ def finetune(
         typer.Option(help="Hot-op policy: fused (fail loudly on a fallback), auto, reference (default: fused on CUDA, reference on CPU).", show_default=False),
     ] = None,
     device: Annotated[str | None, typer.Option(help="cuda, cuda:1, cpu (default: cuda if available).", show_default=False)] = None,
-    launcher: Annotated[str, typer.Option(help="local (a spawned worker process) or ray (a Ray actor).")] = "local",
+    launcher: Annotated[str, typer.Option(help="local (a spawned worker process) or ray (one Ray actor per rank). Under torchrun every rank runs in its own process.")] = "local",
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: start a local Ray).", show_default=False)] = None,
+    parallel: Annotated[
+        str | None,
+        typer.Option(help="Parallel layout, e.g. cp=2 or dp=2,tp=4 (dp, cp, tp, ep; default: one process, or dp = the processes torchrun started). docs/parallel.md.", show_default=False),
+    ] = None,
+    dist_timeout: Annotated[float, typer.Option(help="Seconds a collective waits for a missing rank before the run fails.")] = 1800.0,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
     compile: Annotated[
         bool, typer.Option("--compile/--no-compile", help="torch.compile the small ops (mHC, norms, router, SwiGLU) and run mHC's Sinkhorn as one Triton kernel.")
@@ -92,6 +97,7 @@ def finetune(
     genolong finetune --data data/hg38 --seq 512k --preset glm53-mini --out runs/a
     genolong finetune --data data/hg38 --seq 128k --model /ckpt/glm5 --out runs/b
     genolong finetune --resume runs/a
+    torchrun --standalone --nproc_per_node=2 -m genolong finetune --parallel cp=2 --data data/hg38 --seq 1M --out runs/c
     """
     from genolong.train.launch import launch
     from genolong.train.loop import load_run_options
@@ -102,7 +108,9 @@ def finetune(
         # The run's own options decide what is trained; only where and how it runs may change.
         # stop_after always applies to this invocation (the saved one belonged to the last).
         given = {k: v for k, v in {"device": device, "kernels": kernels, "ray_address": ray_address}.items() if v is not None}
-        options = load_run_options(resume, launcher=launcher, progress=progress, stop_after=stop_after, **given)
+        # The layout is where it runs, not what is trained: a run saved at one layout resumes at another.
+        options = load_run_options(resume, launcher=launcher, progress=progress, stop_after=stop_after, parallel=parallel,
+                                   dist_timeout_s=dist_timeout, **given)
     else:
         if data is None or out is None:
             raise GenolongError("finetune needs --data DIR and --out RUN_DIR (or --resume RUN_DIR to continue a run)")
@@ -151,6 +159,8 @@ def finetune(
             device=device,
             launcher=launcher,
             ray_address=ray_address,
+            parallel=parallel,
+            dist_timeout_s=dist_timeout,
             progress=progress,
             compile=compile,
             memory=memory,
@@ -159,7 +169,9 @@ def finetune(
             indexer_recall_every=indexer_recall_every,
             indexer_recall_queries=indexer_recall_queries,
         )
+    from genolong.parallel.mesh import launched_world
+
     records = launch(options)
-    if records:
+    if records and (launched_world() or (0,))[0] == 0:
         last = records[-1]
         typer.echo(f"step {last['step']}/{options.steps}: loss {last['loss']:.4f}; run directory {options.out}")

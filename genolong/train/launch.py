@@ -1,10 +1,15 @@
-"""Start the training loop in one worker: a spawned local process (default) or a Ray actor.
+"""Start the training loop: in this process under torchrun, in a spawned local process, or in Ray actors.
 
-The worker runs `genolong.train.loop.train` unchanged and sends back its per-step records. A
-separate process keeps the CLI's interpreter free of CUDA state and lets a crash of the worker
-(out of host memory, a CUDA fault) end in a one-line report instead of a dead shell; Ray runs
-the same worker where a cluster scheduler places it. Later multi-GPU launchers start several
-such workers; the loop itself never creates a process group.
+- torchrun (RANK, WORLD_SIZE, ... in the environment): this process *is* one rank; the loop runs
+  here, on every rank (no extra worker), and joins the process group itself
+  (genolong.train.distributed). Rank 0 prints the progress; torchrun's agent ends every rank when
+  one dies.
+- local (default): one spawned worker process runs `genolong.train.loop.train` unchanged and
+  sends back its per-step records. A separate process keeps the CLI's interpreter free of CUDA
+  state and lets a crash of the worker (out of host memory, a CUDA fault) end in a one-line
+  report instead of a dead shell.
+- ray: one actor per rank of `--parallel` (genolong.train.launch_ray), placed in a placement
+  group; a single-rank run is one actor.
 
 A `GenolongError` raised in the worker (bad input, a run stopped for non-finite losses) comes
 back as a `GenolongError` with the same one-line message; anything else comes back with the
@@ -24,10 +29,30 @@ def launch(options: TrainOptions) -> list[dict]:
     """Run `options` in a worker chosen by `options.launcher`; returns the per-step records."""
     from genolong.train.loop import check_inputs
 
+    from genolong.parallel.mesh import launched_world
+
     check_inputs(options)
+    if launched_world() is not None:
+        return _run_here(options)
     if options.launcher == "ray":
-        return _launch_ray(options)
+        from genolong.train.launch_ray import launch_ray
+
+        return launch_ray(options)
     return _launch_local(options)
+
+
+def _run_here(options: TrainOptions) -> list[dict]:
+    """One rank of a torchrun world: the loop in this process; a rank other than 0 names itself in its error."""
+    from genolong.parallel.mesh import launched_world
+    from genolong.train.loop import train
+
+    rank = launched_world()[0]
+    try:
+        return train(options)
+    except GenolongError as err:
+        if rank == 0:
+            raise
+        raise GenolongError(f"rank {rank}: {err}") from None
 
 
 def _run(options_dict: dict) -> tuple[str, object]:
@@ -80,38 +105,3 @@ def _launch_local(options: TrainOptions) -> list[dict]:
         worker.join()
         raise
     return _unwrap(result, "local process")
-
-
-class _RayWorker:
-    """The Ray actor: one training run per call."""
-
-    def run(self, options_dict: dict) -> tuple[str, object]:
-        return _run(options_dict)
-
-
-def _launch_ray(options: TrainOptions) -> list[dict]:
-    try:
-        import ray
-    except ImportError:
-        raise GenolongError("--launcher ray needs the ray package: pip install 'ray>=2.40' (or use --launcher local)") from None
-    started_here = False
-    if not ray.is_initialized():
-        # Local instance unless an address is given; the dashboard is not needed to run one actor.
-        ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=True)
-        started_here = True
-    try:
-        wants_gpu = options.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
-        if options.device and options.device.startswith("cuda") and not wants_gpu:
-            raise GenolongError(f"--device {options.device} but the Ray cluster has no GPU; use --device cpu or another --ray-address")
-        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if wants_gpu else 0)(_RayWorker)
-        actor = actor_cls.remote()
-        try:
-            result = ray.get(actor.run.remote(options.to_dict()))
-        except ray.exceptions.RayActorError as err:
-            raise GenolongError(f"the Ray training actor died before reporting ({err.__class__.__name__}); check the Ray logs") from None
-        finally:
-            ray.kill(actor)
-        return _unwrap(result, "Ray actor")
-    finally:
-        if started_here:
-            ray.shutdown()
