@@ -58,6 +58,10 @@ def eval_positional(
         Optional[int], typer.Option(help="Tokens per loss chunk (default: ~256 MiB of fp32 hidden states).")
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
+    parallel: Annotated[
+        Optional[str],
+        typer.Option(help="dp=N: split the windows over N processes started by torchrun (default under torchrun: dp = their number); rank 0 writes the outputs.", show_default=False),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
 ) -> None:
     """Held-out loss by position in the window, before vs after fine-tuning, with context controls.
@@ -109,6 +113,7 @@ def eval_positional(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GenolongError(f"--device {device} but no CUDA GPU is visible; use --device cpu")
+    share, dev = _rank_share(parallel, dev)
     dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
     dtype_name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     if dtype_name not in dtypes:
@@ -172,5 +177,40 @@ def eval_positional(
             data_path=str(Path(data).resolve()),
             markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=note),
             note=note,
+            share=share,
         )
-    typer.echo(f"wrote {out}/positional.png, positional.csv, positional.json")
+    if share.world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if share.main:
+        typer.echo(f"wrote {out}/positional.png, positional.csv, positional.json")
+
+
+def _rank_share(parallel: str | None, dev):
+    """(this process's RankShare, its device): one process, or one of `--parallel dp=N` torchrun ranks."""
+    import torch
+
+    from genolong.eval.run import RankShare
+    from genolong.parallel.layout import ParallelLayout, parse_layout
+    from genolong.parallel.mesh import init_distributed, launched_world
+
+    world = launched_world()
+    layout = parse_layout(parallel) if parallel else ParallelLayout(dp=world[1] if world else 1)
+    if layout.cp > 1 or layout.tp > 1 or layout.ep > 1:
+        raise GenolongError(
+            f"eval-positional --parallel {layout}: only dp (windows split over processes) is supported yet; scoring one window "
+            "over cp ranks needs the context-parallel wrappers; use --parallel dp=N"
+        )
+    started = world[1] if world else 1
+    if layout.dp != started:
+        raise GenolongError(
+            f"eval-positional --parallel dp={layout.dp} needs {layout.dp} processes but {started} were started; "
+            f"start them with `torchrun --standalone --nproc_per_node={layout.dp} -m genolong eval-positional ...`"
+        )
+    if world is None:
+        return RankShare(), dev
+    rank, size = init_distributed(dev.type)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return RankShare(rank, size), dev

@@ -97,6 +97,12 @@ def resolve(text: str, flag: str) -> Resolved:
             raise GenolongError(f"{flag} {text}: this checkpoint is incomplete (interrupted save); pass another step")
         ckpt_dir = path
         label = f"{path.parent.parent.name} step {_step_of(path)}"
+    if ckpt_dir is not None and (ckpt_dir / "dcp").is_dir():
+        run = ckpt_dir.parent.parent
+        raise GenolongError(
+            f"{flag} {text}: {ckpt_dir.name} was saved by a multi-process run (torch.distributed.checkpoint); export it first with "
+            f"`genolong export --run {run} --step {_step_of(ckpt_dir)} --out DIR` and pass DIR"
+        )
     if ckpt_dir is not None:
         state = ck.load_trainer_state(ckpt_dir)
         model_dir = ckpt_dir / ck.MODEL_DIR

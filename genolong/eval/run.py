@@ -60,6 +60,35 @@ class ModelSpec:
 
 
 @dataclass
+class RankShare:
+    """This process's share of the windows when eval-positional runs on dp ranks (`--parallel dp=N`
+    under torchrun): window i of each model's to-do list is scored by rank i % world, the scores are
+    gathered to rank 0, and rank 0 alone appends to the partial file and writes the outputs."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, item: Any) -> list[Any]:
+        if self.world == 1:
+            return [item]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, item)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+@dataclass
 class Settings:
     layout: Layout
     out_dir: Path
@@ -132,11 +161,14 @@ def evaluate(
     echo: Callable[[str], None] = print,
     markov: MarkovModel | Callable[[], MarkovModel] | None = None,
     note: Callable[[str], None] | None = None,
-) -> report.Results:
+    share: RankShare | None = None,
+) -> report.Results | None:
     """Score, aggregate, write. `windows()` restarts the tiling; `make_scorer(role)` loads a model;
     `markov` (a model, or a function fitting one, called once the partial file is accepted and
     before any model is scored) is scored beside the models as a yardstick; `note` gets progress
-    messages (the CLI sends them to stderr)."""
+    messages (the CLI sends them to stderr); `share`: this rank's part of a data-parallel
+    evaluation (RankShare; None: all windows here). Ranks other than 0 return None."""
+    share = share or RankShare()
     layout = settings.layout
     check_compatible(specs)
     keys = [(w.record, int(w.start), bool(w.reverse)) for w in windows()]
@@ -159,35 +191,47 @@ def evaluate(
             for role, s in specs.items()
         },
     }
-    partial = PartialResults(settings.out_dir, fingerprint, overwrite=settings.overwrite)
+    # Rank 0 creates (or cuts back) the partial file first; the others then read the same one.
+    partial = PartialResults(settings.out_dir, fingerprint, overwrite=settings.overwrite) if share.main else None
+    share.barrier()
+    if partial is None:
+        partial = PartialResults(settings.out_dir, fingerprint)
+    if not share.main:
+        note = None
     if note and layout.controls:
         # Each control costs whole extra passes: say how many before hours of GPU time go into them.
         cost = layout.forward_tokens()
         parts = ", ".join(f"{c} +{cost[c] / cost['full']:.2f}" for c in layout.controls)
         note(f"controls at C = {format_length(layout.control)}: {parts} full passes per window and model")
-    if callable(markov):
+    if callable(markov) and share.main:
         markov = markov()
 
-    with _progress(settings.progress) as bar:
+    with _progress(settings.progress and share.main) as bar:
         for role in ROLES:
             todo = sum(not partial.done(role, k) for k in keys)
             if todo == 0:
                 continue
             scorer = make_scorer(role)
             task = bar.add_task(f"{role} ({specs[role].label})", total=len(keys), completed=len(keys) - todo)
-            for window in _limit(windows(), len(keys)):
-                key = (window.record, int(window.start), bool(window.reverse))
-                if partial.done(role, key):
-                    continue
-                t0 = time.perf_counter()
-                score = score_window(scorer, window.tokens, window.repeat_mask, layout)
-                partial.append(role, key, score, seconds=time.perf_counter() - t0)
-                bar.advance(task)
+            pending = [w for w in _limit(windows(), len(keys)) if not partial.done(role, (w.record, int(w.start), bool(w.reverse)))]
+            for first in range(0, len(pending), share.world):
+                mine = pending[first + share.rank] if first + share.rank < len(pending) else None
+                scored = None
+                if mine is not None:
+                    t0 = time.perf_counter()
+                    score = score_window(scorer, mine.tokens, mine.repeat_mask, layout)
+                    scored = ((mine.record, int(mine.start), bool(mine.reverse)), score, time.perf_counter() - t0)
+                for item in share.gather(scored):
+                    if item is not None and share.main:
+                        partial.append(role, item[0], item[1], seconds=item[2])
+                        bar.advance(task)
             del scorer
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
+    if not share.main:
+        return None
     scores = {role: [partial.get(role, k) for k in keys] for role in ROLES}
     if markov is not None:
         scores["markov"] = [
