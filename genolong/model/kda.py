@@ -66,7 +66,7 @@ def kda_reference(
     dv = v.shape[-1]
     # fp32 at least (the state accumulates over the whole sequence); float64 stays float64.
     work = torch.promote_types(dtype, torch.float32)
-    _check_state(initial_state, (batch, heads, dk, dv))
+    check_state(initial_state, (batch, heads, dk, dv))
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     q, k, v, g, beta = (x.to(work) for x in (q, k, v, g, beta))
@@ -146,7 +146,8 @@ def _carry_state(
     return starts, state.view(batch, heads, dk, dv)
 
 
-def _check_state(state: torch.Tensor | None, expected: tuple[int, ...]) -> None:
+def check_state(state: torch.Tensor | None, expected: tuple[int, ...]) -> None:
+    """The "kda" op's initial_state must be [B, H, Dk, Dv] (every implementation checks it alike)."""
     if state is not None and tuple(state.shape) != expected:
         raise GenolongError(
             f"kda initial_state has shape {list(state.shape)}, expected [B, H, Dk, Dv] = {list(expected)}; "
