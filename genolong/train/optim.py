@@ -12,11 +12,17 @@ The update runs as multi-tensor (foreach) operations over buckets of parameters 
 _BUCKET_BYTES of fp32 each: a few calls per bucket instead of ~10 per parameter (the model has
 hundreds of small tensors), while the fp32 gradient copies of bf16 parameters exist for one
 bucket at a time, never for the whole model.
+
+A step may update only some parameters (`step(..., only=names)`: the DSA indexer's warm-up,
+genolong/train/indexer.py). Each parameter then counts its own steps for Adam's bias
+correction, so the rest of the model starts its own updates later as if from step 1; when
+every step updates everything (the default) the counts equal the global one.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 
@@ -49,6 +55,7 @@ class MasterAdamW:
         self.exp_avg = {name: torch.zeros_like(m) for name, m in self.master.items()}
         self.exp_avg_sq = {name: torch.zeros_like(m) for name, m in self.master.items()}
         self.step_count = 0
+        self.param_steps = dict.fromkeys(self.params, 0)
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -69,13 +76,17 @@ class MasterAdamW:
         return math.sqrt(total)
 
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW update at learning rate `lr`, gradients multiplied by `grad_scale` (clipping)."""
+    def step(self, lr: float, grad_scale: float = 1.0, only: Collection[str] | None = None) -> None:
+        """One AdamW update at learning rate `lr`, gradients multiplied by `grad_scale` (clipping);
+        `only`: the names of the parameters this step may update (None: all)."""
         self.step_count += 1
         b1, b2 = self.betas
-        bias1 = 1 - b1**self.step_count
-        bias2 = 1 - b2**self.step_count
-        for decay, names in self._buckets():
+        updated = [name for name in self.params if only is None or name in only]
+        for name in updated:
+            self.param_steps[name] += 1
+        for (decay, steps), names in self._buckets(updated):
+            bias1 = 1 - b1**steps
+            bias2 = 1 - b2**steps
             masters = [self.master[n] for n in names]
             m = [self.exp_avg[n] for n in names]
             v = [self.exp_avg_sq[n] for n in names]
@@ -96,15 +107,17 @@ class MasterAdamW:
                 torch._foreach_copy_([self.params[n] for n in copies], [self.master[n] for n in copies])
             del g, denom
 
-    def _buckets(self) -> list[tuple[bool, list[str]]]:
-        """(decay, names) of the parameters with a gradient, grouped by device and decay, each
-        group cut into runs of at most _BUCKET_BYTES of fp32 (a tensor larger than that alone)."""
-        groups: dict[tuple[torch.device, bool], list[list[str]]] = {}
-        sizes: dict[tuple[torch.device, bool], int] = {}
-        for name, p in self.params.items():
+    def _buckets(self, names: list[str]) -> list[tuple[tuple[bool, int], list[str]]]:
+        """((decay, step count), names) of those of `names` that have a gradient, grouped by device,
+        decay and step count (the bias correction), each group cut into runs of at most
+        _BUCKET_BYTES of fp32 (a larger tensor alone)."""
+        groups: dict[tuple, list[list[str]]] = {}
+        sizes: dict[tuple, int] = {}
+        for name in names:
+            p = self.params[name]
             if p.grad is None:
                 continue
-            key = (p.device, self.decay[name])
+            key = (p.device, self.decay[name], self.param_steps[name])
             nbytes = 4 * p.numel()
             runs = groups.setdefault(key, [[]])
             if runs[-1] and sizes[key] + nbytes > _BUCKET_BYTES:
@@ -112,12 +125,14 @@ class MasterAdamW:
                 sizes[key] = 0
             runs[-1].append(name)
             sizes[key] = sizes.get(key, 0) + nbytes
-        return [(decay, run) for (_, decay), runs in groups.items() for run in runs]
+        return [((decay, steps), run) for (_, decay, steps), runs in groups.items() for run in runs]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat {name: tensor} (safetensors-ready); the step count is a 0-d tensor."""
         out: dict[str, torch.Tensor] = {"step": torch.tensor(self.step_count, dtype=torch.int64)}
         for name in self.params:
+            if self.param_steps[name] != self.step_count:
+                out[f"step.{name}"] = torch.tensor(self.param_steps[name], dtype=torch.int64)
             out[f"master.{name}"] = self.master[name]
             out[f"exp_avg.{name}"] = self.exp_avg[name]
             out[f"exp_avg_sq.{name}"] = self.exp_avg_sq[name]
@@ -130,6 +145,7 @@ class MasterAdamW:
             raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
         self.step_count = int(state["step"])
         for name, p in self.params.items():
+            self.param_steps[name] = int(state.get(f"step.{name}", self.step_count))
             self.master[name].copy_(state[f"master.{name}"])
             self.exp_avg[name].copy_(state[f"exp_avg.{name}"])
             self.exp_avg_sq[name].copy_(state[f"exp_avg_sq.{name}"])

@@ -27,7 +27,7 @@ def test_bucketing_changes_nothing(monkeypatch):
         monkeypatch.setattr(optim, "_BUCKET_BYTES", 1)  # every parameter its own bucket
         single, single_opt, single_norms = _trained(dtype)
         monkeypatch.undo()
-        assert len(single_opt._buckets()) == 0 and len(whole_opt._buckets()) == 0  # no grads left after zero_grad
+        assert single_opt._buckets(list(single_opt.params)) == []  # no gradients left after zero_grad
         assert whole_norms == single_norms
         for (name, a), (_, b) in zip(whole.named_parameters(), single.named_parameters()):
             assert torch.equal(a, b), (dtype, name)
@@ -57,6 +57,9 @@ def test_buckets_split_by_size_and_decay(monkeypatch):
     opt = MasterAdamW(ps, lr=1.0)
     for _, p in ps:
         p.grad = torch.ones_like(p)
-    assert sorted(opt._buckets()) == [(False, ["b"]), (True, ["w1", "w2"])]
+    assert sorted(opt._buckets(["w1", "w2", "b"])) == [((False, 0), ["b"]), ((True, 0), ["w1", "w2"])]
     monkeypatch.setattr(optim, "_BUCKET_BYTES", 4 * 16)
-    assert sorted(opt._buckets()) == [(False, ["b"]), (True, ["w1"]), (True, ["w2"])]
+    assert sorted(opt._buckets(["w1", "w2", "b"])) == [((False, 0), ["b"]), ((True, 0), ["w1"]), ((True, 0), ["w2"])]
+    opt.param_steps["w2"] = 3  # updated in other steps than w1 (a partial warm-up): its own bias correction
+    monkeypatch.setattr(optim, "_BUCKET_BYTES", 1 << 20)
+    assert sorted(opt._buckets(["w1", "w2", "b"])) == [((False, 0), ["b"]), ((True, 0), ["w1"]), ((True, 3), ["w2"])]
