@@ -7,8 +7,8 @@ towards v_t along k_t with strength beta_t (the delta rule), and read out with q
 
 q and k are L2-normalised inside the op and q is scaled by Dk^-0.5 (fla's
 `use_qk_l2norm_in_kernel=True` convention, see docs/ops.md). The recurrence itself is the hot
-op "kda"; `kda_reference` below is its plain-PyTorch oracle, chunked so that only one chunk's
-pairwise decays exist at a time and the state stays fp32.
+op "kda"; `kda_reference` below is its plain-PyTorch oracle and the CPU path: the chunk form,
+linear in length, with an fp32 (or float64) state that it can take in and hand out.
 
 The module takes its head count from its weights, so a caller may slice the q/k/v/gate/output
 projections to a subset of heads (Ulysses-style head split) and run it over the whole sequence.

@@ -162,3 +162,9 @@ def test_kda_reference_rejects_a_state_of_the_wrong_shape():
     inputs, state = _kda_inputs(10)
     with pytest.raises(GenolongError, match=r"initial_state has shape \[2, 2, 12, 8\], expected \[B, H, Dk, Dv\] = \[2, 2, 8, 12\]"):
         kda_reference(*inputs, initial_state=state.transpose(-1, -2))
+
+
+def test_kda_reference_needs_a_power_of_two_chunk():
+    inputs, _ = _kda_inputs(10)
+    with pytest.raises(ValueError, match="power of two, got 12"):
+        kda_reference(*inputs, chunk_size=12)
