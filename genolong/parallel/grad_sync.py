@@ -21,6 +21,8 @@ indexer) stays None. Both are decided by one small all-reduce per group and step
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -56,8 +58,15 @@ class GradientSync:
             for bucket in self._buckets(live):
                 self._sum(bucket, group)
 
-    def grad_norm(self) -> float:
-        """The global L2 norm of the summed gradients (the same number on every rank)."""
+    def grad_norm(self, whole_norm: Callable[[], float]) -> float:
+        """The global L2 norm of the summed gradients (the same number on every rank).
+
+        Without tp or ep every rank holds every summed gradient whole, so the norm is this rank's
+        `whole_norm()` (the optimizer's, no collective: a one-rank run matches the one-process
+        loop bit for bit); with them, the parts are added up over their groups."""
+        layout = self.pmesh.layout
+        if layout.tp == 1 and layout.ep == 1:
+            return whole_norm()
         return global_grad_norm(self.model, self.pmesh)
 
     def _buckets(self, params: list[torch.nn.Parameter]) -> list[list[torch.Tensor]]:

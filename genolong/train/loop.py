@@ -259,7 +259,7 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, para
     loss_value = float(procs.sum(total))
     if parallel.grads is not None:
         parallel.grads.reduce()
-        grad_norm = parallel.grads.grad_norm()
+        grad_norm = parallel.grads.grad_norm(optimizer.grad_norm)
     else:
         grad_norm = optimizer.grad_norm()
     lr = lr_at(step, options.lr, options.warmup, options.steps, options.min_lr_ratio)
