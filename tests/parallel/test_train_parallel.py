@@ -159,3 +159,16 @@ def test_parallel_without_a_launcher_is_refused_before_anything_starts(data, tmp
     assert not (tmp_path / "run").exists()
     with pytest.raises(GenolongError, match=r"--grad-accum 2 does not divide"):
         train(_options(data, tmp_path / "run", parallel="dp=2", launcher="ray", grad_accum=2))
+
+
+@pytest.mark.slow  # four processes on two cores: ~60 s
+def test_tp2_ep2_trains_what_one_process_trains_and_resumes_in_one_process(data, tmp_path):
+    """The tensor/expert-parallel passes inside the loop: the same losses and norms as one process,
+    and a checkpoint whose tensors are split over tp and ep loads whole in one process."""
+    single = train(_options(data, tmp_path / "single", seq_len=128, steps=3))
+    run = tmp_path / "tpep"
+    first = run_ranks(_train_rank, 4, _options(data, run, seq_len=128, steps=3, stop_after=2, parallel="tp=2,ep=2").to_dict())[0]
+    assert _close([r["loss"] for r in first], [r["loss"] for r in single[:2]])
+    assert _close([r["grad_norm"] for r in first], [r["grad_norm"] for r in single[:2]], rtol=1e-5)
+    rest = train(load_run_options(run, progress=False, stop_after=None, parallel=None))
+    assert _close([r["loss"] for r in rest], [single[2]["loss"]])
