@@ -21,7 +21,7 @@ class StepRecord:
     lr: float
     grad_norm: float  # global norm before clipping
     skipped: bool  # non-finite loss or gradient: no update was made
-    tokens: int  # input tokens processed in the step (this replica)
+    tokens: int  # input tokens of the step, every rank's, each counted once (batch x seq)
     valid_tokens: int  # targets counted in the loss (non-N)
     step_time_s: float
     tokens_per_s: float
