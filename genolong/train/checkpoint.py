@@ -18,6 +18,12 @@ Atomicity: a checkpoint is written into `checkpoints/.tmp-step_N-<pid>` (files f
 atomic rename). A crash at any point leaves either no `step_N` or a complete one; `latest()`
 also checks the manifest against the files, so a directory damaged later is skipped too.
 Pruning removes the manifest first, so a half-deleted checkpoint never looks complete.
+
+That is the format of a one-process run. A multi-process run writes torch.distributed.checkpoint
+files into the same `checkpoints/step_N/` (genolong.parallel.checkpoint: `dcp/`, `config.json`,
+`rng/`, the same trainer_state.json and COMPLETE manifest, made complete by `finalize` here);
+either format resumes at any layout, and `genolong export` turns either into a transformers
+checkpoint.
 """
 
 from __future__ import annotations
