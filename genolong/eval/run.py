@@ -213,9 +213,10 @@ def evaluate(
                 continue
             scorer = make_scorer(role)
             task = bar.add_task(f"{role} ({specs[role].label})", total=len(keys), completed=len(keys) - todo)
-            pending = [w for w in _limit(windows(), len(keys)) if not partial.done(role, (w.record, int(w.start), bool(w.reverse)))]
-            for first in range(0, len(pending), share.world):
-                mine = pending[first + share.rank] if first + share.rank < len(pending) else None
+            pending = (w for w in _limit(windows(), len(keys)) if not partial.done(role, (w.record, int(w.start), bool(w.reverse))))
+            # One window per rank at a time, read lazily: a window stream that fails part-way keeps what was scored.
+            for group in _groups(pending, share.world):
+                mine = group[share.rank] if share.rank < len(group) else None
                 scored = None
                 if mine is not None:
                     t0 = time.perf_counter()
@@ -265,6 +266,17 @@ def _timing(partial: PartialResults, keys: list) -> dict[str, float | None]:
         times = [t for t in times if t is not None]
         out[role] = sum(times) / len(times) if times else None
     return out
+
+
+def _groups(it: Iterable[Window], size: int) -> Iterator[list[Window]]:
+    group: list[Window] = []
+    for w in it:
+        group.append(w)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def _limit(it: Iterable[Window], n: int) -> Iterator[Window]:

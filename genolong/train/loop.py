@@ -402,7 +402,7 @@ def _model_config(options: TrainOptions):
     return get_preset(options.preset)
 
 
-def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None, procs):
+def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None, procs=None):
     """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
 
     The pre-flight memory check runs on the config, before any weight is allocated. A multi-process
@@ -411,7 +411,8 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
     from genolong.model.vocab import dna_to_checkpoint_ids
 
     config = _model_config(options)
-    if procs.layout.cp == procs.layout.tp == procs.layout.ep == 1:
+    layout = procs.layout if procs is not None else None
+    if layout is None or layout.cp == layout.tp == layout.ep == 1:
         # The plan below assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
         _preflight(config, options, device)
     dna_map = None
