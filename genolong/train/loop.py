@@ -27,6 +27,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,8 +77,10 @@ def check_inputs(options: TrainOptions) -> None:
         raise GenolongError("--data is required: a directory written by `genolong prepare`")
     if options.resume:
         ckpt_io.check_run_dir(options.out)
-    elif (Path(options.out) / ckpt_io.OPTIONS_FILE).exists():
-        raise GenolongError(f"--out {options.out} already holds a run; continue it with --resume {options.out} or pick a new --out")
+    elif options.overwrite:
+        ckpt_io.check_replaceable(options.out)
+    else:
+        ckpt_io.refuse_occupied(options.out)
     _open_sampler(options)
     if options.model_path and not options.resume:
         from genolong.model.checkpoint import read_config
@@ -94,15 +97,29 @@ def check_inputs(options: TrainOptions) -> None:
 
 
 def train(options: TrainOptions) -> list[dict]:
-    """Run, or with `options.resume` continue, the run in `options.out`; return this invocation's records."""
+    """Run, or with `options.resume` continue, the run in `options.out`; return this invocation's records.
+
+    The run directory is locked for the whole call (genolong.train.checkpoint.locked)."""
     check_inputs(options)
+    with ckpt_io.locked(options.out):
+        return _train_locked(options)
+
+
+def _train_locked(options: TrainOptions) -> list[dict]:
     default_cuda_allocator()
     device = resolve_device(options)
     dtype = resolve_dtype(options, device)
     run_dir = Path(options.out)
     resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
     if resume_from is None:
+        if options.overwrite:
+            ckpt_io.clear_for_overwrite(run_dir)
+        else:
+            ckpt_io.refuse_occupied(run_dir)  # again, under the lock
         _start_run_dir(run_dir, options)
+    else:
+        ckpt_io.remove_stale_temporaries(run_dir)
+        _record_resume_changes(run_dir, options, resume_from)
 
     _seed_everything(options.seed)
     sampler = _open_sampler(options)
@@ -129,6 +146,8 @@ def train(options: TrainOptions) -> list[dict]:
         start = int(state["step"])
         nonfinite_total, nonfinite_run = int(state["nonfinite_total"]), int(state["nonfinite_run"])
         log.info("resumed %s at step %d", run_dir, start)
+        if start >= options.steps:
+            _notice(f"{run_dir} has finished all {options.steps} steps; nothing to do (give --steps N to train further)")
 
     batches = _batches(options, sampler, dna_map, device, start)
     chunk = options.memory.loss_chunk_tokens or auto_chunk_tokens(model.config.vocab_size)
@@ -253,7 +272,44 @@ def _start_run_dir(run_dir: Path, options: TrainOptions) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     saved = options.to_dict()
     saved["resume"] = False
-    (run_dir / ckpt_io.OPTIONS_FILE).write_text(json.dumps(saved, indent=1) + "\n", encoding="utf-8")
+    saved["overwrite"] = False
+    _write_options(run_dir, saved)
+
+
+def _write_options(run_dir: Path, saved: dict) -> None:
+    tmp = run_dir / f".{ckpt_io.OPTIONS_FILE}.tmp"
+    tmp.write_text(json.dumps(saved, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, run_dir / ckpt_io.OPTIONS_FILE)
+
+
+# Options a resumed run may change that belong to the run, not to one invocation: written back
+# to options.json so that the next --resume keeps them (docs/training.md, "Resume").
+RESUME_PERSISTED = ("steps", "save_every", "keep_last")
+
+
+def _record_resume_changes(run_dir: Path, options: TrainOptions, resume_from: Path) -> None:
+    saved = json.loads((run_dir / ckpt_io.OPTIONS_FILE).read_text(encoding="utf-8"))
+    at = int(ckpt_io.load_trainer_state(resume_from)["step"])
+    if options.steps < at:
+        raise GenolongError(f"--steps {options.steps} is below the step the run has reached ({at}); give --steps {at} or more")
+    changed = {k: getattr(options, k) for k in RESUME_PERSISTED if saved.get(k) != getattr(options, k)}
+    if not changed:
+        return
+    for key, value in changed.items():
+        flag = "--" + key.replace("_", "-")
+        _notice(f"{flag} {value} (the run had {saved.get(key)}), from step {at} on")
+    if "steps" in changed and at < options.steps:
+        was = lr_at(at, options.lr, options.warmup, saved["steps"], options.min_lr_ratio)
+        now = lr_at(at, options.lr, options.warmup, options.steps, options.min_lr_ratio)
+        _notice(
+            f"the learning-rate schedule is re-derived for {options.steps} steps (same warmup, cosine to the new last "
+            f"step): the rate at step {at + 1} is {now:.3g} instead of {was:.3g}"
+        )
+    _write_options(run_dir, {**saved, **changed})
+
+
+def _notice(message: str) -> None:
+    print(f"genolong: {message}", file=sys.stderr, flush=True)
 
 
 def load_run_options(run_dir: str | Path, **overrides) -> TrainOptions:
@@ -331,12 +387,15 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
 
 
 def _preflight(config, options: TrainOptions, device: str) -> None:
-    """Refuse a run that cannot fit before the model and its activations are allocated (GPU only)."""
-    if not device.startswith("cuda"):
-        return
-    from genolong.train.plan import preflight
+    """Refuse a run that cannot fit before the model and its activations are allocated: GPU memory
+    and pinned host memory on CUDA, RAM on the CPU."""
+    from genolong.train.plan import preflight, preflight_cpu
 
-    preflight(config, options.seq_len, options.memory, n_gpus=1, batch=options.micro_batch)
+    dtype_bytes = resolve_dtype(options, device).itemsize
+    if not device.startswith("cuda"):
+        preflight_cpu(config, options.seq_len, options.memory, batch=options.micro_batch, dtype_bytes=dtype_bytes)
+        return
+    preflight(config, options.seq_len, options.memory, n_gpus=1, batch=options.micro_batch, dtype_bytes=dtype_bytes)
 
 
 def _set_kernel_policy(policy: str) -> None:
