@@ -96,8 +96,6 @@ def finetune(
     genolong finetune --resume runs/a [--steps 120];
     genolong finetune ... --out runs/a --overwrite  (start runs/a again)
     """
-    from click.core import ParameterSource
-
     from genolong.train.launch import launch
     from genolong.train.options import MemoryOptions, TrainOptions
     from genolong.train.resume_flags import resume_options
@@ -110,7 +108,8 @@ def finetune(
     gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else gpu_budget
     host_budget_gib = host_budget_gib if host_budget_gib is not None else host_budget
     if resume:
-        given = {n for n in ctx.params if ctx.get_parameter_source(n) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+        # By name: typer may vendor its own click, with its own ParameterSource enum.
+        given = {n for n in ctx.params if getattr(ctx.get_parameter_source(n), "name", "") in ("COMMANDLINE", "ENVIRONMENT")}
         options = resume_options(resume, ctx.params, given)
     else:
         if data is None or out is None:

@@ -111,6 +111,8 @@ def _train_locked(options: TrainOptions) -> list[dict]:
     dtype = resolve_dtype(options, device)
     run_dir = Path(options.out)
     resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
+    # Before the run directory is touched: a run refused for memory leaves nothing to clean up.
+    _preflight(_model_config(options, resume_from), options, device)
     if resume_from is None:
         if options.overwrite:
             ckpt_io.clear_for_overwrite(run_dir)
@@ -357,19 +359,13 @@ def _open_sampler(options: TrainOptions):
 
 
 def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None):
-    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
-
-    The pre-flight memory check runs on the config, before any weight is allocated.
-    """
+    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset."""
     from genolong.model import GenoLongForCausalLM, from_pretrained, get_preset
-    from genolong.model.checkpoint import read_config
-    from genolong.model.hf_config import from_hf
     from genolong.model.vocab import dna_to_checkpoint_ids
 
     dna_map = None
     if resume_from is not None or options.model_path:
         source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
-        _preflight(from_hf(read_config(source)), options, device)
         model = from_pretrained(source, dtype=dtype, device=device)
         if resume_from is not None:
             ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
@@ -378,12 +374,23 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
             dna_map = dna_to_checkpoint_ids(source, vocab_size=model.config.vocab_size)
     else:
         config = get_preset(options.preset)
-        _preflight(config, options, device)
         with torch.device(device):
             model = GenoLongForCausalLM(config, dtype=dtype)
     if dna_map is not None:
         dna_map = dna_map.to(device)
     return model, dna_map
+
+
+def _model_config(options: TrainOptions, resume_from: Path | None):
+    """The config of the model the run will build (same order as _build_model), read without weights."""
+    from genolong.model import get_preset
+    from genolong.model.checkpoint import read_config
+    from genolong.model.hf_config import from_hf
+
+    if resume_from is not None or options.model_path:
+        source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
+        return from_hf(read_config(source))
+    return get_preset(options.preset)
 
 
 def _preflight(config, options: TrainOptions, device: str) -> None:

@@ -56,6 +56,11 @@ KDA_CHUNK = 64
 GPU_USABLE = 0.92
 HOST_USABLE = 0.80
 GPUS_PER_HOST = 8
+# A CPU run uses the PyTorch reference ops, which keep and allocate more than the fused kernels
+# the per-item counts describe: peak RSS growth of a tiny-preset training step on the CPU was
+# 2.0-3.5x the activation items (4k-16k tokens, with and without recompute, 2026-12-01,
+# benchmarks/cpu_memory_plan.py). The CPU plan adds the difference as its own item.
+CPU_REFERENCE_FACTOR = 3.5
 
 
 @dataclass
@@ -414,6 +419,8 @@ def estimate_cpu_memory(
     # Offload copies into the same RAM: plan the inputs as kept, against the RAM budget.
     kept = MemoryOptions.from_dict({**opts.to_dict(), "offload": False, "offload_layers": None, "gpu_budget_gib": budget / GIB})
     est = estimate_memory(model_config, seq_len, kept, 1, budget, batch=batch, dtype_bytes=dtype_bytes, host_bytes=budget)
+    static = sum(static_bytes(model_config, dtype_bytes).values())
+    est.gpu["reference ops (CPU)"] = int((CPU_REFERENCE_FACTOR - 1) * (est.gpu_total - static))
     est.device = "cpu"
     est.host = {}
     est.opts = opts
@@ -594,7 +601,7 @@ def shortfall(
             found.append(f"more host RAM: --host-budget-gib {need} per GPU (a node of {node} GPU(s) with {_gib(need * GIB * node / HOST_USABLE)} of RAM)")
         gpus = next((g for g in (2**k for k in range(1, 11)) if g > n_gpus and trial(gpus=g).fits), None)
         if gpus is not None:
-            found.append(f"more GPUs: --gpus {gpus} (context parallel; a plan, genolong trains on one GPU today)")
+            found.append(f"more GPUs: --gpus {gpus} (context parallel, a plan: genolong trains on one GPU today)")
     seq = seq_len // 2
     while seq >= 1024 and not trial(seq=seq).fits:
         seq //= 2
