@@ -40,8 +40,9 @@ from genolong.model import ops
 from genolong.train import checkpoint as ckpt_io
 from genolong.train.flops import peak_flops, step_flops
 from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss
-from genolong.train.metrics import JsonlLog, Progress, StepRecord, TensorBoardLog
+from genolong.train.metrics import JsonlLog, StepRecord, TensorBoardLog
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
+from genolong.train.progress_lines import progress_display
 from genolong.train.plan import moe_chunks_checkpointed
 from genolong.train.options import (
     TrainOptions,
@@ -165,7 +166,7 @@ def _train_locked(options: TrainOptions) -> list[dict]:
 
     jsonl = JsonlLog(run_dir / ckpt_io.METRICS_FILE, truncate_after_step=start if resume_from is not None else None)
     tensorboard = TensorBoardLog(run_dir, options.tensorboard)
-    progress = Progress(options.steps, start, options.progress)
+    progress = progress_display(options.steps, start, options.progress)
     records: list[dict] = []
     ops.reset_audit()
     model.train()
