@@ -40,7 +40,7 @@ def eval_positional(
     kernels: Annotated[
         Optional[str], typer.Option(help="Ops policy: fused, auto or reference (default: fused on CUDA, reference on CPU).")
     ] = None,
-    loss_chunk: Annotated[Optional[int], typer.Option(help="Tokens per LM-head chunk (default: ~1 GiB of fp32 logits).")] = None,
+    loss_chunk: Annotated[Optional[str], typer.Option(help="Tokens per LM-head chunk: 2k, 4096 (default: ~1 GiB of fp32 logits).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
 ) -> None:
@@ -112,7 +112,7 @@ def eval_positional(
         )
 
     vocab = resolved["checkpoint"].spec.architecture["vocab_size"]
-    chunk = loss_chunk or auto_chunk_tokens(vocab)
+    chunk = parse_length(loss_chunk, "--loss-chunk") if loss_chunk else auto_chunk_tokens(vocab)
 
     def make_scorer(role: str) -> ModelScorer:
         model = models.load(resolved[role], dtypes[dtype_name], dev)

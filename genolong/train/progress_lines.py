@@ -17,17 +17,20 @@ class StepLines:
     def __init__(self, total: int, start: int, every_s: float = 10.0, stream=None):
         self._total, self._start, self._every = total, start, every_s
         self._stream = stream or sys.stdout
-        self._t0 = time.perf_counter()
+        self._first: tuple[float, int] | None = None  # (time, step) of the first step seen
         self._last: float | None = None
 
     def update(self, record) -> None:
         now = time.perf_counter()
+        if self._first is None:
+            self._first = (now, record.step)
         last_step = record.step >= self._total
         if not (self._last is None or last_step or now - self._last >= self._every):
             return
         self._last = now
-        done = record.step - self._start
-        per_step = (now - self._t0) / done if done else 0.0
+        # The pace since the first step (which also pays for warm-up), else that step's own time.
+        t_first, step_first = self._first
+        per_step = (now - t_first) / (record.step - step_first) if record.step > step_first else record.step_time_s
         parts = [f"loss {record.loss:.4f}", f"{record.tokens_per_s:,.0f} tok/s", f"{per_step:.2f} s/step"]
         if record.peak_gpu_gib is not None:
             parts.append(f"peak {record.peak_gpu_gib:.1f} GiB")

@@ -7,7 +7,7 @@ from genolong.train.progress_lines import StepLines
 
 
 def _record(step, loss=1.5):
-    return SimpleNamespace(step=step, loss=loss, tokens_per_s=2048.0, peak_gpu_gib=None, skipped=False)
+    return SimpleNamespace(step=step, loss=loss, tokens_per_s=2048.0, step_time_s=0.5, peak_gpu_gib=None, skipped=False)
 
 
 def test_first_and_last_step_always_and_nothing_in_between_within_the_interval():
@@ -17,7 +17,7 @@ def test_first_and_last_step_always_and_nothing_in_between_within_the_interval()
         lines.update(_record(step))
     text = out.getvalue().splitlines()
     assert len(text) == 2
-    assert text[0].startswith("finetune step 1/5 (20%): loss 1.5000, 2,048 tok/s") and "left" in text[0]
+    assert text[0] == "finetune step 1/5 (20%): loss 1.5000, 2,048 tok/s, 0.50 s/step, about 2 s left"
     assert text[1].startswith("finetune step 5/5 (100%)") and "left" not in text[1]
 
 
