@@ -261,6 +261,7 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
 def locked(run_dir: str | Path):
     """Hold RUN_DIR/.lock for the block (creating RUN_DIR); GenolongError if another process holds it."""
     run = Path(run_dir)
+    created = not run.exists()
     run.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
@@ -280,6 +281,11 @@ def locked(run_dir: str | Path):
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
+    except BaseException:
+        # A run refused before it wrote anything (bad input, the memory pre-flight) leaves no directory.
+        if created and [p.name for p in run.iterdir()] == [LOCK_FILE]:
+            shutil.rmtree(run, ignore_errors=True)
+        raise
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 

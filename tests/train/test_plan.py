@@ -260,7 +260,7 @@ def test_cpu_preflight_refuses_before_allocating_and_names_ram(data, tmp_path):
         loop.train(tiny_options(data, tmp_path / "run", seq_len=4096, memory=opts))
     message = str(err.value)
     assert "CPU RAM short" in message and "usable" in message and "--host-budget-gib" in message and "\n" not in message
-    assert not (tmp_path / "run" / "options.json").exists()  # refused before the run directory was touched
+    assert not (tmp_path / "run").exists()  # refused before the run directory was written
 
 
 def test_the_default_finetune_on_a_cpu_is_refused_at_once():
