@@ -27,8 +27,10 @@ BUCKET=${BUCKET:-512}
 MAX_WINDOWS=${MAX_WINDOWS:-16}
 
 source pipelines/lib.sh
-# The 2-core demo machine: one intra-op pool sized to it, no oversubscription.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+# One intra-op thread: the tiny model's ops are too small for a second one to gain anything, and
+# on a machine whose cores are busy OpenMP threads spin-waiting on each other made a step ~10x
+# slower (30 s instead of 3 s at 4 x 512 bases, 2026-12-01). Set OMP_NUM_THREADS to override.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 DATA=data/bundled
 SHORT=runs/demo-short

@@ -11,7 +11,8 @@ The local launcher (genolong.train.launch) runs the loop in a spawned worker pro
 2. **One stop request, one signal.** The worker ignores SIGINT: a Ctrl-C in a terminal reaches
    the whole process group, and the parent forwards it exactly once, as SIGTERM, so a stop
    request is never counted twice. SIGTERM (from the parent, a batch scheduler or the kernel's
-   parent-death signal) raises KeyboardInterrupt in the worker's main thread.
+   parent-death signal) raises KeyboardInterrupt in the worker's main thread, as soon as it runs
+   Python again (a backward pass is one call: the stop can wait for it).
 3. **No half-written checkpoint.** `uninterruptible()` (around every checkpoint save) holds
    SIGINT and SIGTERM back until the block ends, then delivers them; a *second* signal while it
    is held abandons the block at once (the atomic save removes its temporary directory).
