@@ -110,6 +110,17 @@ def kda_reference(
 ops.register("kda", ops.REFERENCE, kda_reference)
 
 
+def short_conv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The "kda_short_conv" op (docs/ops.md): SiLU(causal depthwise conv) over x [B, T, C] with
+    weight [C, W], computed in the weight's dtype (fp32), returned in x's dtype."""
+    seq, width = x.shape[1], weight.shape[-1]
+    out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), padding=width - 1, groups=weight.shape[0])
+    return F.silu(out[..., :seq]).transpose(1, 2).to(x.dtype)
+
+
+ops.register("kda_short_conv", ops.REFERENCE, short_conv_reference)
+
+
 class ForgetGate(nn.Module):
     """Per-channel log decay g <= 0 from a low-rank projection (fp32, as the reference)."""
 
@@ -151,11 +162,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(qkv, hidden, bias=False)
 
     def short_conv(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over [B, T, C]; computed in the weight's dtype (fp32)."""
-        seq = qkv.shape[1]
-        w = self.conv1d.weight
-        out = F.conv1d(qkv.transpose(1, 2).to(w.dtype), w, padding=w.shape[-1] - 1, groups=w.shape[0])
-        return F.silu(out[..., :seq]).transpose(1, 2).to(qkv.dtype)
+        """Causal depthwise conv + SiLU over [B, T, C]; the hot op "kda_short_conv" (fp32 weights)."""
+        return ops.call("kda_short_conv", self.layer_idx, qkv, self.conv1d.weight.squeeze(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq = x.shape[:2]

@@ -62,20 +62,24 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (topk_idx int64 [N, k], topk_w fp32 [N, k])."""
-        cfg = self.cfg
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        if cfg.n_group > 1:
-            # Keep the topk_group groups whose two best experts score highest.
-            grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
-            best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices
-            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
-        topk_idx = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
-        topk_w = scores.gather(1, topk_idx)
-        if cfg.norm_topk_prob:
-            topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_idx, topk_w * cfg.routed_scaling_factor
+        return route(x, self.weight, self.e_score_correction_bias, self.cfg)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's math as a function of tensors (genolong.train.compile compiles it once for every layer)."""
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    choice = scores + correction_bias.float()
+    if cfg.n_group > 1:
+        # Keep the topk_group groups whose two best experts score highest.
+        grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
+        best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
+    topk_idx = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
+    topk_w = scores.gather(1, topk_idx)
+    if cfg.norm_topk_prob:
+        topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_idx, topk_w * cfg.routed_scaling_factor
 
 
 class Experts(nn.Module):

@@ -34,14 +34,14 @@ def plan(
     preset: str = typer.Option("glm53-mini", "--preset", help="Model preset (glm-5.3-flash, glm53-mini, tiny)"),
     gpus: int = typer.Option(1, "--gpus", help="GPUs the sequence is split over (context parallel; a plan: finetune trains on one GPU)"),
     device: str = typer.Option("cuda", "--device", help="cuda (GPU + pinned host memory) or cpu (a CPU run: everything in RAM)"),
-    dtype: str | None = typer.Option(None, "--dtype", help="bfloat16 or float32 [default: bfloat16 on cuda, float32 on cpu]", show_default=False),
+    dtype: str | None = typer.Option(None, "--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)", show_default=False),
     gpu_budget_gib: float | None = typer.Option(
-        None, "--gpu-budget-gib", help="GPU memory one step may use, GiB [default: 92% of an H200's 139.8 GiB]", show_default=False
+        None, "--gpu-budget-gib", help="GPU memory one step may use, GiB (default: 92% of an H200's 139.8 GiB)", show_default=False
     ),
     host_budget_gib: float | None = typer.Option(
         None,
         "--host-budget-gib",
-        help="Host memory for offloaded layer inputs per GPU, GiB; on --device cpu, for the whole run [default: 80% of this machine's RAM, shared by up to 8 GPUs]",
+        help="Host memory for offloaded layer inputs per GPU, GiB; on --device cpu, for the whole run (default: 80% of this machine's RAM, shared by up to 8 GPUs)",
         show_default=False,
     ),
     batch: int = typer.Option(1, "--batch", help="Sequences per optimizer step (as in finetune)"),
@@ -53,7 +53,7 @@ def plan(
     moe_chunking: bool = typer.Option(True, "--moe-chunking/--no-moe-chunking", help="MoE in checkpointed sequence chunks"),
     moe_chunk: str = typer.Option("64k", "--moe-chunk", help="Tokens per MoE chunk"),
     chunked_loss: bool = typer.Option(True, "--chunked-loss/--no-chunked-loss", help="LM head + loss in sequence chunks"),
-    loss_chunk: str | None = typer.Option(None, "--loss-chunk", help="Tokens per loss chunk [default: ~1 GiB of fp32 logits]", show_default=False),
+    loss_chunk: str | None = typer.Option(None, "--loss-chunk", help="Tokens per loss chunk (default: ~1 GiB of fp32 logits)", show_default=False),
     mhc_low_precision: bool = typer.Option(True, "--mhc-low-precision/--no-mhc-low-precision", help="mHC projection without an fp32 input copy"),
     pinned: bool = typer.Option(True, "--pinned/--no-pinned", help="Pinned (page-locked) host buffers"),
     overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="Offload copies on their own streams (one prefetch buffer)"),

@@ -31,6 +31,10 @@ def test_triton_indexer_passes_compile_for_sm90(heads, dim):
     assert "wgmma" in group_max  # the scoring product runs on Hopper's warpgroup tensor cores
     assert ".local" not in group_max  # no register spills to local memory
     assert "mma" in kernels["candidate_scores"].asm["ptx"]
+    v2 = indexer_triton.aot_compile_v2(heads, dim, kpool=4, group=8)
+    group_max = v2["group_max_v2"].asm["ptx"]
+    assert "wgmma" in group_max and "cp.async" in group_max  # tensor cores, key loads pipelined
+    assert all(".local" not in kernel.asm["ptx"] for kernel in v2.values())
 
 
 @pytest.mark.parametrize("heads", [4, pytest.param(64, marks=pytest.mark.slow)])  # glm53-mini, GLM-5.3-Flash
