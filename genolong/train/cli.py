@@ -28,7 +28,7 @@ def finetune(
         str | None,
         typer.Option(
             help="Continue the run in this directory from its latest complete checkpoint with its own options; only --steps, --stop-after, "
-            "--save-every, --keep-last and where it runs (--device, --dtype, --kernels, --launcher, --progress) can change.",
+            "--save-every, --keep-last and where it runs (--device, --dtype, --kernels, --compile, --launcher, --progress) can change.",
             show_default=False,
         ),
     ] = None,

@@ -3,8 +3,8 @@
 A resumed run is the run in RUN: its options.json decides what is trained. Flags given on the
 command line next to --resume are sorted three ways (docs/training.md, "Resume"):
 
-- where and how this invocation runs: `--device`, `--dtype`, `--kernels`, `--launcher`,
-  `--ray-address`, `--progress`, `--stop-after` apply to this invocation only;
+- where and how this invocation runs: `--device`, `--dtype`, `--kernels`, `--compile`,
+  `--launcher`, `--ray-address`, `--progress`, `--stop-after` apply to this invocation only;
 - how long the run is and how it is checkpointed: `--steps`, `--save-every`, `--keep-last` apply
   and are written back to options.json, so the next resume keeps them (a new `--steps`
   re-derives the cosine schedule for the new length: genolong.train.loop);
@@ -25,7 +25,7 @@ from genolong.errors import GenolongError
 from genolong.train.options import MemoryOptions, TrainOptions
 from genolong.units import parse_length
 
-PER_INVOCATION = ("stop_after", "device", "dtype", "kernels", "launcher", "ray_address", "progress")
+PER_INVOCATION = ("stop_after", "device", "dtype", "kernels", "compile", "launcher", "ray_address", "progress")
 PER_RUN = ("steps", "save_every", "keep_last")
 CHANGEABLE = PER_INVOCATION + PER_RUN
 # Read with the default when not given (they describe this invocation, not the run).

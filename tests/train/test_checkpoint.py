@@ -121,7 +121,17 @@ def test_a_crashed_saves_temporary_directory_is_removed_by_the_next_save(tmp_pat
     assert [p.name for p in ck.complete_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
 
 
-def test_an_interrupt_during_a_save_waits_for_the_save(tmp_path, capsys):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler, whatever this process inherited (a background job ignores SIGINT)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_during_a_save_waits_for_the_save(tmp_path, capsys, ctrl_c_raises):
     import signal
 
     def interrupted_midway(path):
@@ -138,7 +148,7 @@ def test_an_interrupt_during_a_save_waits_for_the_save(tmp_path, capsys):
     assert "finishing checkpoint step_00000004" in capsys.readouterr().err
 
 
-def test_a_second_interrupt_abandons_the_save(tmp_path):
+def test_a_second_interrupt_abandons_the_save(tmp_path, ctrl_c_raises):
     import signal
 
     def interrupted_twice(path):

@@ -29,7 +29,21 @@ def _finetune(data, run, *args):
     cmd = [sys.executable, "-m", "genolong", "finetune", "--data", str(data), "--out", str(run), "--preset", "tiny",
            "--seq", "64", "--steps", "100000", "--device", "cpu", "--no-progress", "--warmup", "1", *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # As from a terminal: a test run started in the background would hand down an ignored SIGINT.
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_sigint)
+
+
+def _communicate(proc, timeout):
+    """stderr of a process that must end by itself; killed (with its worker) if it does not."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        worker = _worker_of(proc.pid)
+        proc.kill()
+        if worker is not None:
+            os.kill(worker, signal.SIGKILL)
+        pytest.fail(f"`genolong finetune` did not stop within {timeout} s")
 
 
 def _alive(pid):
@@ -99,7 +113,7 @@ def test_ctrl_c_stops_both_with_130_and_the_run_continues_with_resume(data, tmp_
     proc = _finetune(data, run, "--save-every", 2)
     worker = _wait_for_steps(proc, run, 3)
     os.kill(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    err = _communicate(proc, 120)
     assert proc.returncode == 130, err
     lines = err.strip().splitlines()
     assert lines[-1].startswith("genolong: interrupted; last complete checkpoint: step "), err
@@ -118,7 +132,7 @@ def test_sigterm_before_the_first_checkpoint_then_overwrite_starts_again(data, t
     proc = _finetune(data, run)  # no --save-every: nothing is saved before the last step
     _wait_for_steps(proc, run, 1)
     os.kill(proc.pid, signal.SIGTERM)  # what a batch scheduler sends
-    _, err = proc.communicate(timeout=120)
+    err = _communicate(proc, 120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("genolong: interrupted; no complete checkpoint yet: start it again with the same command plus --overwrite")
     with pytest.raises(GenolongError, match="stopped before its first complete checkpoint; start it again by adding --overwrite"):
@@ -136,7 +150,7 @@ def test_a_worker_killed_like_the_oom_killer_does_ends_in_one_line(data, tmp_pat
     proc = _finetune(data, run)
     worker = _wait_for_steps(proc, run, 1)
     os.kill(worker, signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
+    err = _communicate(proc, 60)
     assert proc.returncode == 2, err
     assert err.count("\n") == 1, err
     assert err.startswith("genolong: error: the training worker was killed by SIGKILL (the kernel's out-of-memory killer")
