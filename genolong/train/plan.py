@@ -608,6 +608,8 @@ def shortfall(
         seq //= 2
     if seq >= 1024:
         found.append(f"a shorter sequence: --seq {format_length(seq)}")
+    elif device == "cpu":
+        found.append("a smaller model (--preset tiny)")  # the weights and optimizer state alone are too much
     return found
 
 

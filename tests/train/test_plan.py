@@ -266,8 +266,11 @@ def test_cpu_preflight_refuses_before_allocating_and_names_ram(data, tmp_path):
 def test_the_default_finetune_on_a_cpu_is_refused_at_once():
     from genolong.train.plan import preflight_cpu
 
-    with pytest.raises(GenolongError, match=r"glm53-mini at 512k tokens does not fit: CPU RAM short: .* a shorter sequence: --seq"):
+    # On 24 GiB no length fits glm53-mini's fp32 weights, gradients and moments with activations.
+    with pytest.raises(GenolongError, match=r"glm53-mini at 512k tokens does not fit: CPU RAM short: .*more RAM.*a smaller model \(--preset tiny\)"):
         preflight_cpu(get_preset("glm53-mini"), 524288, MemoryOptions(), ram_bytes=24 * GIB)
+    with pytest.raises(GenolongError, match=r"CPU RAM short: .* a shorter sequence: --seq 16k"):
+        preflight_cpu(get_preset("tiny"), 524288, MemoryOptions(), ram_bytes=4 * GIB)
 
 
 def test_host_only_shortfall_names_host_memory_and_asks_for_host_ram_first():
