@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 
 from genolong.errors import GenolongError
 from genolong.train import checkpoint as ckpt_io
+from genolong.train.lifeline import uninterruptible
 
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
@@ -83,10 +84,8 @@ def _barrier() -> None:
 
 def save(run_dir: str | Path, step: int, *, model, optimizer, trainer_state: dict[str, Any], pmesh,
          keep_last: int, extra_files: dict[str, Path] | None = None) -> Path:
-    """Write checkpoint `step` (module docstring). Collective: every rank calls it; returns the final path."""
-    from genolong.model.checkpoint import _dtype_name
-    from genolong.model.hf_config import to_hf
-
+    """Write checkpoint `step` (module docstring). Collective: every rank calls it; returns the final path.
+    Ctrl-C / SIGTERM wait for the end of the save (genolong.train.lifeline.uninterruptible)."""
     root = Path(run_dir) / ckpt_io.CHECKPOINTS
     rank = _rank()
     name = [f".tmp-{ckpt_io.step_dir_name(step)}-{os.getpid()}"] if rank == 0 else [None]
@@ -95,9 +94,19 @@ def save(run_dir: str | Path, step: int, *, model, optimizer, trainer_state: dic
     tmp, final = root / name[0], root / ckpt_io.step_dir_name(step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        # Rank 0 holds the run's lock: every temporary directory it finds is a dead save's.
+        ckpt_io.remove_stale_temporaries(run_dir)
         tmp.mkdir()
     _barrier()
+    with uninterruptible(f"checkpoint {final.name}"):
+        _write(tmp, final, step, rank, run_dir, model, optimizer, trainer_state, pmesh, keep_last, extra_files)
+    return final
+
+
+def _write(tmp, final, step, rank, run_dir, model, optimizer, trainer_state, pmesh, keep_last, extra_files) -> None:
+    from genolong.model.checkpoint import _dtype_name
+    from genolong.model.hf_config import to_hf
+
     try:
         tensors, counts = optimizer_tensors(optimizer)
         dcp.save({"model": _views(model.state_dict(), pmesh), "optimizer": _views(tensors, pmesh)}, checkpoint_id=str(tmp / DCP_DIR))
@@ -120,7 +129,6 @@ def save(run_dir: str | Path, step: int, *, model, optimizer, trainer_state: dic
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
 
 
 def build_model(ckpt: Path, dtype: torch.dtype, device: str):

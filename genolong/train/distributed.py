@@ -71,6 +71,12 @@ class Processes:
         return self.device if self.device.startswith("cuda") else "cpu"
 
 
+def launched_rank() -> int:
+    """This process's rank under torchrun / the Ray launcher, 0 for a process started alone."""
+    world = launched_world()
+    return world[0] if world is not None else 0
+
+
 def requested_layout(options) -> ParallelLayout:
     """`--parallel`, or dp = the launched world size when it is unset."""
     world = launched_world()

@@ -146,6 +146,8 @@ def _first_failure_stops_all(ray, running: dict) -> dict[int, list[dict]]:
             continue
         if kind == "error":
             raise GenolongError(f"rank {rank}: {payload}")
+        if kind == "interrupted":
+            raise GenolongError(f"rank {rank} was stopped (SIGTERM / Ctrl-C in its actor); the other ranks were stopped")
         print(f"genolong: rank {rank} failed:\n{payload}", file=sys.stderr, flush=True)
         last = str(payload).strip().splitlines()[-1] if str(payload).strip() else "no message"
         raise GenolongError(f"rank {rank} failed ({last}); its traceback is above; the other ranks were stopped")
