@@ -18,9 +18,13 @@ Per-token activation bytes are counted from the model code, tensor by tensor (mo
 autograd actually saves on CPU. The estimate is of `torch.cuda.max_memory_allocated`: the CUDA
 context and allocator fragmentation are covered by `preflight`'s margin, not by the items.
 
-`n_gpus > 1` is planned as context parallelism (each GPU holds seq_len / n_gpus tokens of
-activations and offloads) with weights, gradients and optimizer state sharded n_gpus ways
-(FSDP-style); the parallel issue will implement exactly that.
+Under a parallel layout (`setup`, genolong.train.plan_parallel) the same items are paid on the
+tokens one GPU holds (cp shards the sequence, tp keeps a sequence-parallel part of the shard),
+the weights, gradients and optimizer state are split by tp / ep and, with FSDP, by their
+replicas, and the layout's own tensors are added (what every tp rank holds for the whole shard,
+the gathered latent under cp, the busiest ep rank's MoE rows, FSDP's gathered layer). With one
+process those terms are zero: the single-GPU plan. `n_gpus > 1` without a setup keeps its old
+meaning, cp=n_gpus with FSDP. docs/parallel.md, "The plan", writes every term down.
 
 A CPU run (`estimate_cpu_memory`) keeps all of it in host RAM, in the run's dtype (fp32 by
 default: the parameters are their own master copy); offload would copy layer inputs into the
@@ -35,12 +39,11 @@ import os
 from dataclasses import dataclass, field
 
 from genolong.errors import GenolongError
-from genolong.model.config import LAYER_DSA, LAYER_KDA, MLP_DENSE, MLP_MOE, ModelConfig
+from genolong.model.config import LAYER_KDA, MLP_DENSE, MLP_MOE, ModelConfig
 from genolong.model.param_count import param_count
 from genolong.train.loss import auto_chunk_tokens
 from genolong.train.options import MemoryOptions
 from genolong.train.plan_parallel import (
-    GPUS_PER_NODE,
     ParallelSetup,
     Tokens,
     dispatch_bytes,
@@ -66,7 +69,6 @@ KDA_CHUNK = 64
 # and of host RAM (the process itself, the page cache of the data, the OS).
 GPU_USABLE = 0.92
 HOST_USABLE = 0.80
-GPUS_PER_HOST = GPUS_PER_NODE
 # A CPU run uses the PyTorch reference ops, which keep and allocate more than the fused kernels
 # the per-item counts describe: peak RSS growth of a tiny-preset training step on the CPU was
 # 1.8-3.7x the activation items (4k and 8k tokens, with and without recompute, after the fast
