@@ -226,6 +226,18 @@ def model_params(config: ModelConfig) -> ParamSplit:
     return total
 
 
+def parameter_classes(config: ModelConfig, layout: ParallelLayout) -> list[tuple[str, ParamSplit, int, int]]:
+    """(name, parameters, ranks splitting each one, ranks holding a copy of each part) per class:
+    the copies are the ranks its gradient is summed over (genolong.parallel.tensor_plan.REDUCE_GROUPS)."""
+    whole = model_params(config)
+    lay = layout
+    return [
+        ("tp-split", ParamSplit(tp=whole.tp, tp_fp32=whole.tp_fp32), lay.tp, lay.dp * lay.ep * lay.cp),
+        ("experts", ParamSplit(ep=whole.ep, ep_fp32=whole.ep_fp32), lay.ep, lay.dp * lay.cp * lay.tp),
+        ("replicated", ParamSplit(replicated=whole.replicated, replicated_fp32=whole.replicated_fp32), 1, lay.world_size),
+    ]
+
+
 def _static(params: ParamSplit, dtype_bytes: int, buffers: int) -> dict[str, int]:
     """Weights, gradients and MasterAdamW state of `params` (as genolong.train.plan.static_bytes)."""
     count = params.tp + params.ep + params.replicated
@@ -240,17 +252,11 @@ def static_per_gpu(config: ModelConfig, setup: ParallelSetup, dtype_bytes: int =
     biases) are replicated weights."""
     lay = setup.layout
     buffers = param_count(config).buffers
-    whole = model_params(config)
-    classes = (
-        (ParamSplit(tp=whole.tp, tp_fp32=whole.tp_fp32), lay.tp, lay.dp * lay.ep * lay.cp, 0),
-        (ParamSplit(ep=whole.ep, ep_fp32=whole.ep_fp32), lay.ep, lay.dp * lay.cp * lay.tp, 0),
-        (ParamSplit(replicated=whole.replicated, replicated_fp32=whole.replicated_fp32), 1, lay.world_size, buffers),
-    )
     out = {"weights": 0, "gradients": 0, "optimizer state": 0}
-    for params, split, replicas, bufs in classes:
+    for name, params, split, replicas in parameter_classes(config, lay):
         shards = split * (replicas if setup.sharded else 1)
-        for name, value in _static(params, dtype_bytes, bufs).items():
-            out[name] += math.ceil(value / shards)
+        for item, value in _static(params, dtype_bytes, buffers if name == "replicated" else 0).items():
+            out[item] += math.ceil(value / shards)
     return out
 
 
@@ -359,45 +365,39 @@ def traffic(config: ModelConfig, setup: ParallelSetup, t: Tokens, *, a: int = 2,
     dsa = sum(x == LAYER_DSA for x in config.layer_types)
     moe = sum(x == MLP_MOE for x in config.mlp_types)
     layers = config.num_layers
-    micro = grad_accum
+    micro_batches = grad_accum
     if lay.tp > 1:
         f = (lay.tp - 1) / lay.tp
         # Each sublayer all-gathers its input and reduce-scatters its output: [Tc, h] each way.
-        out.add("tp: sublayer gathers and reduce-scatters", micro * passes * layers * 4 * t.shard * h * a * f, spans_nodes(setup, ("tp",)))
+        out.add("tp: sublayer gathers and reduce-scatters", micro_batches * passes * layers * 4 * t.shard * h * a * f, spans_nodes(setup, ("tp",)))
         width = config.dsa.indexer.width
-        out.add("tp: indexer selections (int32)", micro * fwd_passes * dsa * t.shard * width * 4 * f, spans_nodes(setup, ("tp",)))
+        out.add("tp: indexer selections (int32)", micro_batches * fwd_passes * dsa * t.shard * width * 4 * f, spans_nodes(setup, ("tp",)))
     if lay.cp > 1:
         f = (lay.cp - 1) / lay.cp
         across = spans_nodes(setup, ("cp",))
         if setup.kda_mode == "ulysses":
-            out.add("cp: KDA input gather + output reduce-scatter", micro * passes * kda * 2 * t.whole * h * a * f / lay.tp, across)
+            out.add("cp: KDA input gather + output reduce-scatter", micro_batches * passes * kda * 2 * t.whole * h * a * f / lay.tp, across)
         else:
             k = config.kda
             # Every rank's (S_ext, M) per sequence and local head, fp32 [Dk, Dv + Dk], gathered by all.
             state = t.sequences * (k.num_heads // lay.tp) * k.head_dim * 2 * k.head_dim * FP32
-            out.add("cp: KDA states (S_ext, M)", micro * passes * kda * (lay.cp - 1) * state, across)
+            out.add("cp: KDA states (S_ext, M)", micro_batches * passes * kda * (lay.cp - 1) * state, across)
         d = config.dsa
-        out.add("cp: DSA latent gather (+ gradient back)", micro * passes * dsa * t.whole * d.kv_lora_rank * a * f, across)
-        out.add("cp: indexer pooled keys", micro * fwd_passes * dsa * t.whole // d.indexer.kpool * d.indexer.head_dim * a * f, across)
+        out.add("cp: DSA latent gather (+ gradient back)", micro_batches * passes * dsa * t.whole * d.kv_lora_rank * a * f, across)
+        out.add("cp: indexer pooled keys", micro_batches * fwd_passes * dsa * t.whole // d.indexer.kpool * d.indexer.head_dim * a * f, across)
     if lay.ep > 1:
         f = (lay.ep - 1) / lay.ep
-        out.add("ep: MoE dispatch + return", micro * passes * moe * 2 * t.seq * config.moe.top_k * h * a * f, spans_nodes(setup, ("ep",)))
-    whole = model_params(config)
-    groups = (
-        ("tp-split", ParamSplit(tp=whole.tp, tp_fp32=whole.tp_fp32), ("dp", "ep", "cp")),
-        ("experts", ParamSplit(ep=whole.ep, ep_fp32=whole.ep_fp32), ("dp", "cp", "tp")),
-        ("replicated", ParamSplit(replicated=whole.replicated, replicated_fp32=whole.replicated_fp32), ("dp", "ep", "cp", "tp")),
-    )
-    for name, params, dims in groups:
-        size = math.prod(getattr(lay, d) for d in dims)
-        if size == 1:
+        out.add("ep: MoE dispatch + return", micro_batches * passes * moe * 2 * t.seq * config.moe.top_k * h * a * f, spans_nodes(setup, ("ep",)))
+    replica_dims = {"tp-split": ("dp", "ep", "cp"), "experts": ("dp", "cp", "tp"), "replicated": ("dp", "ep", "cp", "tp")}
+    for name, params, _, copies in parameter_classes(config, lay):
+        if copies == 1:
             continue
         local = params.local(lay).bytes(a)
-        f = (size - 1) / size
-        across = spans_nodes(setup, dims)
+        f = (copies - 1) / copies
+        across = spans_nodes(setup, replica_dims[name])
         if setup.sharded:
             # Two all-gathers of the weights per micro-batch (forward; recompute and backward) and one reduce-scatter.
-            out.add(f"fsdp: {name} gathers + gradient reduce-scatter", micro * 3 * local * f, across)
+            out.add(f"fsdp: {name} gathers + gradient reduce-scatter", micro_batches * 3 * local * f, across)
         else:
             out.add(f"dp: {name} gradient all-reduce", 2 * local * f, across)
     return out
