@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from genolong.kernels import aot
 from genolong.model.ops import KernelUnsupported
 
 BM, BN, N_INNER = 64, 64, 16
@@ -162,25 +163,19 @@ def candidate_scores(q, keys, w, t, gidx, gval, *, kpool: int, scale: float, gro
 
 
 def aot_compile(heads: int, dim: int, kpool: int, group: int, arch: int = 90) -> dict:
-    """Compile both passes for a GPU architecture without a GPU (the CPU compile check): {name: kernel}."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", arch, 32)
-    ints = ("stride_qt", "stride_qh", "stride_kp", "stride_wt")
+    """Both passes built for a GPU architecture without a GPU, specialised as the JIT specialises
+    their launches (genolong.kernels.aot; lengths taken as multiples of 16): {name: kernel}."""
     hp = _heads_padded(heads, 1)
-    sig1 = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32", "t0": "i32",
-            "n_pools": "i32", "n_groups": "i32", "scale": "fp32", **dict.fromkeys(ints, "i32"), "stride_ot": "i32"}
+    strides = dict(stride_qt=heads * dim, stride_qh=dim, stride_kp=dim, stride_wt=heads)
+    args1 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", n_rows="i32", t0="i32", n_pools="i32",
+                 n_groups="i32", scale="fp32", **strides, stride_ot="i32")
     const1 = dict(KPOOL=kpool, H=heads, HP=hp, D=dim, BM=block_queries(hp), BN=BN, G=group, N_INNER=N_INNER)
-    sig2 = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "gidx_ptr": "*i64", "gval_ptr": "*fp32", "out_ptr": "*fp32",
-            "t0": "i32", "n_pools": "i32", "n_cand": "i32", "scale": "fp32", **dict.fromkeys(ints, "i32"),
-            "stride_gt": "i32", "stride_ot": "i32"}
+    args2 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", gidx_ptr="*i64", gval_ptr="*fp32", out_ptr="*fp32", t0="i32",
+                 n_pools="i32", n_cand="i32", scale="fp32", **strides, stride_gt="i32", stride_ot="i32")
     const2 = dict(KPOOL=kpool, H=heads, HP=_heads_padded(heads, 16), D=dim, G=group, BC=BC, N_BLOCKS=512 * group // BC)
     return {
-        "group_max": triton.compile(ASTSource(_group_max_kernel, {**sig1, **dict.fromkeys(const1, "constexpr")}, const1),
-                                    target=target, options={"num_warps": 8, "num_stages": 2}),
-        "candidate_scores": triton.compile(ASTSource(_candidate_kernel, {**sig2, **dict.fromkeys(const2, "constexpr")}, const2),
-                                           target=target, options={"num_warps": 4}),
+        "group_max": aot.build(_group_max_kernel, args1, const1, num_warps=8, num_stages=2, arch=arch),
+        "candidate_scores": aot.build(_candidate_kernel, args2, const2, num_warps=4, arch=arch),
     }
 
 
@@ -402,28 +397,23 @@ def select_candidates(q, keys, w, t, gidx, gval, out, *, kpool: int, scale: floa
 
 
 def aot_compile_v2(heads: int, dim: int, kpool: int, group: int, topk_pools: int = 512, arch: int = 90) -> dict:
-    """The three v2 kernels built for a GPU architecture without a GPU: {name: kernel}."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", arch, 32)
-    ints = ("stride_qt", "stride_qh", "stride_kp", "stride_wt")
-    sig1 = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "sg_ptr": "*fp32", "n_rows": "i32", "t0": "i32",
-            "n_pools": "i32", "n_groups": "i32", "n_super": "i32", **dict.fromkeys(ints, "i32"), "stride_ot": "i32", "stride_st": "i32"}
+    """The three v2 kernels built for a GPU architecture without a GPU, specialised as the JIT
+    specialises their launches (genolong.kernels.aot; lengths taken as multiples of 16): {name: kernel}."""
+    strides = dict(stride_qt=heads * dim, stride_qh=dim, stride_kp=dim, stride_wt=heads)
+    args1 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", sg_ptr="*fp32", n_rows="i32", t0="i32",
+                 n_pools="i32", n_groups="i32", n_super="i32", **strides, stride_ot="i32", stride_st="i32")
     const1 = dict(KPOOL=kpool, H=heads, D=dim, BM=BM2, BN=BN2, G=group, SG=SUPER, N_INNER=N_INNER2, STAGES=STAGES2)
-    sigg = {"gmax_ptr": "*fp32", "sg_ptr": "*fp32", "scratch_ptr": "*i32", "gidx_ptr": "*i64", "gval_ptr": "*fp32",
-            "n_groups": "i32", "n_super": "i32", "stride_gm": "i32", "stride_sg": "i32", "stride_sc": "i32", "stride_gt": "i32"}
+    argsg = dict(gmax_ptr="*fp32", sg_ptr="*fp32", scratch_ptr="*i32", gidx_ptr="*i64", gval_ptr="*fp32", n_groups="i32",
+                 n_super="i32", stride_gm="i32", stride_sg="i32", stride_sc=topk_pools, stride_gt=topk_pools)
     constg = dict(SG=SUPER, NSG=4096, TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools))  # 1M tokens
     n_cand = topk_pools * group
-    sig2 = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "gidx_ptr": "*i64", "gval_ptr": "*fp32",
-            "scratch_ptr": "*fp32", "out_ptr": "*i32", "t0": "i32", "n_pools": "i32", "n_cand": "i32",
-            **dict.fromkeys(ints, "i32"), "stride_gt": "i32", "stride_st": "i32", "stride_ot": "i32"}
+    args2 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", gidx_ptr="*i64", gval_ptr="*fp32", scratch_ptr="*fp32",
+                 out_ptr="*i32", t0="i32", n_pools="i32", n_cand=n_cand, **strides, stride_gt=topk_pools, stride_st=n_cand,
+                 stride_ot=topk_pools * kpool + kpool - 1)
     const2 = dict(KPOOL=kpool, H=heads, HP=_heads_padded(heads, 16), D=dim, G=group, BC=BC2, N_BLOCKS=n_cand // BC2,
                   NC=triton.next_power_of_2(n_cand), TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools), TAIL=True)
-    built = {}
-    for name, kernel, sig, const, warps in (("group_max_v2", _group_max_v2_kernel, sig1, const1, WARPS2),
-                                            ("select_groups", _select_groups_kernel, sigg, constg, 4),
-                                            ("select_candidates", _select_kernel, sig2, const2, 4)):
-        built[name] = triton.compile(ASTSource(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const),
-                                     target=target, options={"num_warps": warps})
-    return built
+    return {
+        "group_max_v2": aot.build(_group_max_v2_kernel, args1, const1, num_warps=WARPS2, arch=arch),
+        "select_groups": aot.build(_select_groups_kernel, argsg, constg, num_warps=4, arch=arch),
+        "select_candidates": aot.build(_select_kernel, args2, const2, num_warps=4, arch=arch),
+    }

@@ -24,7 +24,7 @@ def _megatron_missing() -> str | None:
 @needs_triton
 @pytest.mark.parametrize("heads,dim", [(4, 128), (32, 128)])  # glm53-mini, GLM-5.3-Flash indexers
 def test_triton_indexer_passes_compile_for_sm90(heads, dim):
-    from genolong.kernels import indexer_triton
+    from genolong.kernels import aot, indexer_triton
 
     kernels = indexer_triton.aot_compile(heads, dim, kpool=4, group=8)
     group_max = kernels["group_max"].asm["ptx"]
@@ -35,6 +35,9 @@ def test_triton_indexer_passes_compile_for_sm90(heads, dim):
     group_max = v2["group_max_v2"].asm["ptx"]
     assert "wgmma" in group_max and "cp.async" in group_max  # tensor cores, key loads pipelined
     assert all(".local" not in kernel.asm["ptx"] for kernel in v2.values())
+    for name, kernel in {**kernels, **v2}.items():
+        assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, \
+            f"{name} at {heads} heads needs {kernel.metadata.shared} bytes of shared memory, sm_90 has {aot.SM90_SHARED_BYTES}"
 
 
 @pytest.mark.parametrize("heads", [4, pytest.param(64, marks=pytest.mark.slow)])  # glm53-mini, GLM-5.3-Flash
