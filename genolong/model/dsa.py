@@ -119,11 +119,10 @@ class DSAAttention(nn.Module):
                 )
         elif switch is not None and switch.mode == DENSE:
             topk = dense_warmup(self.indexer, x, q_resid, q_latent, latent, scale=self.scale, switch=switch, piece=piece)
-        elif piece is None:
+        elif piece is None:  # (a tensor-parallel indexer overrides forward(x, q_resid) without a piece)
             topk = self.indexer(x, q_resid)
         else:
-            with torch.no_grad():
-                topk = self.indexer.select(self.indexer.project(x, q_resid, piece), query_offset=piece.offset)
+            topk = self.indexer(x, q_resid, piece=piece)
         if self.recall_probe is not None and self.indexer is not None:
             self.recall_probe.measure(
                 self.layer_idx, q_latent, latent, topk, scale=self.scale, width=self.indexer.cfg.width, piece=piece

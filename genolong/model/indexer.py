@@ -157,6 +157,7 @@ class Indexer(nn.Module):
         )
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
-        """The frozen indexer: top-k indices, nothing kept for backward."""
-        return self.select(self.project(x, q_resid))
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, piece: SequencePiece | None = None) -> torch.Tensor:
+        """The frozen indexer: top-k indices, nothing kept for backward. With a `piece`: the piece's
+        queries against the whole sequence's pools, indices global (see `project`)."""
+        return self.select(self.project(x, q_resid, piece), query_offset=0 if piece is None else piece.offset)
