@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from genolong.errors import GenolongError
 from genolong.model.dsa import DSAAttention
+from genolong.model.indexer import Indexer
 from genolong.model.kda import KimiDeltaAttention
 from genolong.model.piece import SequencePiece
 from genolong.parallel.collectives import gather_along, reduce_sum
@@ -125,28 +126,15 @@ def sum_gradients(model: nn.Module, group) -> None:
 # ---------------------------------------------------------------------------------- the pass
 
 
-class ContextParallelDSA(DSAAttention):
-    """DSA on this rank's queries against the whole sequence's latent and pooled keys (module docstring)."""
-
-    cp: ContextGroup
-
-    def forward(self, x: torch.Tensor, topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.indexer is not None and x.shape[1] % self.indexer.cfg.kpool:
-            raise GenolongError(
-                f"layer {self.layer_idx}: a context shard of {x.shape[1]} tokens cuts an indexer pool of "
-                f"{self.indexer.cfg.kpool}; use a sequence length that genolong.parallel.layout.required_multiple accepts"
-            )
-        return super().forward(x, topk, piece=self.cp.piece(x.shape[1]))
-
-    def extra_repr(self) -> str:
-        return f"{self.cp}, own queries against the gathered latent and pooled keys"
-
-
-def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "state") -> nn.Module:
+def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "state", balance_indexer: bool = True) -> nn.Module:
     """Split every sequence mixer of `model` over pmesh's "cp" group in place and return it.
 
-    Applies at any cp size (at cp=1 the collectives are no-ops: the path's own overhead can be
-    measured); a trainer calls it only when cp > 1. Collective-free itself; call on every rank."""
+    kda_mode: "state" (pass the recurrent state between ranks) or "ulysses" (split KDA heads);
+    balance_indexer: score the DSA indexer's queries in zigzag blocks (genolong/parallel/
+    context_dsa.py) instead of each rank its own. Applies at any cp size (at cp=1 the collectives
+    are no-ops, so the path's own overhead can be measured); a trainer calls it only when cp > 1.
+    Call on every rank."""
+    from genolong.parallel.context_dsa import BalancedIndexer, ContextParallelDSA
     from genolong.parallel.context_kda import ContextParallelKDA
 
     config = _config(model)
@@ -161,6 +149,9 @@ def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "state") 
         elif type(module) is DSAAttention:
             module.__class__ = ContextParallelDSA
             module.cp = cp
+            if balance_indexer and type(module.indexer) is Indexer:
+                module.indexer.__class__ = BalancedIndexer
+                module.indexer.cp = cp
     return model
 
 

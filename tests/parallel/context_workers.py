@@ -47,6 +47,7 @@ class Case:
     indexer_loss: str = ""  # "", "sparse" or "dense": the indexer's KL loss switched on
     recall: bool = False  # measure the indexer's recall (genolong/model/indexer_recall.py)
     pin: bool = False  # replace each indexer's selections by the reference's
+    balance: bool = True  # the indexer's scoring in zigzag blocks (genolong/parallel/context_dsa.py)
 
 
 def build(case: Case, seed: int = 0) -> GenoLongForCausalLM:
@@ -147,7 +148,7 @@ def _run_case(pmesh, case: Case, pin: dict | None, rank: int) -> dict:
     )
 
     group, cp, size = pmesh.group("cp"), pmesh.rank("cp"), pmesh.size("cp")
-    model = apply_context_parallel(build(case), pmesh, kda_mode=case.kda_mode)
+    model = apply_context_parallel(build(case), pmesh, kda_mode=case.kda_mode, balance_indexer=case.balance)
     seen = capture_selections(model, pin if case.pin else None, cp)
     inputs, targets, valid = shard_batch(*batch(case), cp, size)
     count = global_valid_count(valid, group)
@@ -178,7 +179,7 @@ def parallel(rank: int, world: int, cases: list[Case], pins: dict, extras: bool 
         out["halo"] = halo_check(pmesh)
         out["conv"] = conv_check(pmesh)
         out["kda_layer"] = {mode: kda_layer_check(pmesh, mode) for mode in ("state", "ulysses")}
-        out["dsa_layer"] = dsa_layer_check(pmesh)
+        out["dsa_layer"] = {balanced: dsa_layer_check(pmesh, balanced) for balanced in (False, True)}
         out["refusals"] = refusals(pmesh)
     return out
 
@@ -297,12 +298,16 @@ def dsa_layer(seed: int = 0):
     return module, _randn(21, 2, SEQ_LAYER, cfg.hidden), _randn(22, 2, SEQ_LAYER, cfg.hidden)
 
 
-def dsa_layer_check(pmesh) -> dict:
-    from genolong.parallel.context import ContextGroup, ContextParallelDSA
+def dsa_layer_check(pmesh, balanced: bool) -> dict:
+    from genolong.parallel.context import ContextGroup
+    from genolong.parallel.context_dsa import BalancedIndexer, ContextParallelDSA
 
     module, x, up = dsa_layer()
     module.__class__ = ContextParallelDSA
     module.cp = ContextGroup(pmesh.group("cp"), pmesh.rank("cp"), pmesh.size("cp"))
+    if balanced:
+        module.indexer.__class__ = BalancedIndexer
+        module.indexer.cp = module.cp
     return _layer_result(pmesh, module, x, up, lambda out: out)
 
 

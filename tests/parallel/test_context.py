@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 CP2 = [
     W.Case("tiny-state", pin=True, batch=2),
-    W.Case("tiny-ulysses", kda_mode="ulysses", pin=True),
+    W.Case("tiny-ulysses", kda_mode="ulysses", pin=True, balance=False),
     W.Case("tiny-state-bf16", dtype="bf16", pin=True),
     W.Case("tiny-ulysses-bf16", kda_mode="ulysses", dtype="bf16", pin=True),
     W.Case("mini-state-uneven", preset="mini", pin=True, uneven_n=True),
@@ -180,9 +180,10 @@ def test_kda_layer_equals_one_process_in_both_modes(cp2, cp4):
 def test_dsa_layer_selections_and_outputs_equal_one_process(cp2, cp4):
     ref = W.dsa_layer_reference()
     for _, results in (cp2, cp4):
-        got = results[0]["dsa_layer"]
-        _check_layer(ref, got)
-        assert np.array_equal(np.sort(got["extra"], -1), np.sort(ref["extra"], -1))  # the selections, exactly
+        for balanced in (False, True):  # each rank scoring its own queries, or zigzag blocks
+            got = results[0]["dsa_layer"][balanced]
+            _check_layer(ref, got)
+            assert np.array_equal(np.sort(got["extra"], -1), np.sort(ref["extra"], -1))  # the selections, exactly
 
 
 def test_short_conv_halo(cp2, cp4):
@@ -210,4 +211,6 @@ def test_keys_unchanged_and_the_pass_shows(cp2):
     assert shown.count("(self_attn): ContextParallelKDA(") == 1  # layers 0-2, printed once as 3 x DecoderLayer
     assert shown[shown.index("(self_attn): ContextParallelKDA(") + 1] == "cp rank 0 of 2, state passing"
     assert shown[shown.index("(self_attn): ContextParallelDSA(") + 1].startswith("cp rank 0 of 2, own queries")
+    assert "BalancedIndexer(" in got["repr"] and "scores zigzag blocks of queries" in got["repr"]
     assert "Ulysses head split" in results[0]["tiny-ulysses"]["repr"]
+    assert "BalancedIndexer(" not in results[0]["tiny-ulysses"]["repr"]  # balance_indexer=False
