@@ -36,6 +36,12 @@ which --budget-s bounds. CPU smoke test (gloo, tiny shapes, reference kernels):
 
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_context.py --device cpu --preset tiny \
         --lengths 2k --check-seq 1k --reps 1 --out /tmp/context
+
+The indexer's balance alone, in one process (no torchrun; each simulated rank's scoring timed in
+turn; on the GPU ~1 minute at 512k,1M):
+
+    python benchmarks/bench_context.py --indexer-balance --device cpu --lengths 16k --out /tmp/balance
+    source .device/activate.sh && python benchmarks/bench_context.py --indexer-balance --lengths 512k,1M --out $OUT/balance
 """
 
 from __future__ import annotations
@@ -350,6 +356,51 @@ class Bench:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
+def indexer_balance(args, log) -> None:
+    """One process, no communication: the indexer's scoring of each simulated cp rank's queries at
+    `--lengths`, contiguous shards vs zigzag blocks, for cp = `--balance-cp`; wall and process CPU time."""
+    from genolong.parallel.context_dsa import ZigzagPlan
+
+    device = torch.device(args.device if args.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    cfg = get_preset(args.preset).dsa.indexer
+    kw = dict(kpool=cfg.kpool, topk_pools=cfg.topk_pools, always_select_tail=cfg.always_select_tail, softmax_scale=cfg.head_dim**-0.5)
+    lines = ["| length | cp | assignment | per rank: wall s (CPU s) | slowest wall s | slowest / mean |", "|---|---|---|---|---|---|"]
+    for seq in (parse_length(x) for x in args.lengths.split(",")):
+        g = torch.Generator(device=device).manual_seed(3)
+        q = torch.randn(1, seq, cfg.n_heads, cfg.head_dim, device=device, generator=g).to(dtype)
+        keys = torch.randn(1, seq // cfg.kpool, cfg.head_dim, device=device, generator=g).to(dtype)
+        w = torch.randn(1, seq, cfg.n_heads, device=device, generator=g)
+
+        def score(a: int, b: int) -> tuple[float, float]:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            ops.call("dsa_indexer_topk", 3, q[:, a:b], keys, w[:, a:b], query_offset=a, **kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - t0, time.process_time() - c0
+
+        score(0, seq // 8)  # warm-up (kernel compilation on the GPU)
+        for cp in (int(c) for c in args.balance_cp.split(",")):
+            local, half = seq // cp, seq // (2 * cp)
+            assignments = {
+                "contiguous": [[(r * local, (r + 1) * local)] for r in range(cp)],
+                "zigzag": [[(b * half, (b + 1) * half) for b in ZigzagPlan(r, cp, half).received] for r in range(cp)],
+            }
+            for name, ranks in assignments.items():
+                per_rank = [tuple(map(sum, zip(*(score(a, b) for a, b in blocks)))) for blocks in ranks]
+                walls = [t for t, _ in per_rank]
+                record = {"phase": "indexer_balance", "seq": seq, "cp": cp, "assignment": name, "device": str(device),
+                          "per_rank_wall_s": walls, "per_rank_cpu_s": [c for _, c in per_rank]}
+                log.result(record)
+                cells = ", ".join(f"{t:.2f} ({c:.2f})" for t, c in per_rank)
+                lines.append(f"| {format_length(seq)} | {cp} | {name} | {cells} | {max(walls):.2f} | {max(walls) / (sum(walls) / cp):.2f} |")
+    text = "\n".join(lines)
+    log("\n" + text)
+    (Path(args.out) / "indexer_balance.txt").write_text(text + "\n")
+
+
 def table(records: list[dict]) -> str:
     lines = ["| length | cp | what | fwd+bwd ms (slowest rank) | notes |", "|---|---|---|---|---|"]
     for r in records:
@@ -388,7 +439,19 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="fused", help="hot-op policy on CUDA: fused or auto")
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--out", required=True)
+    p.add_argument("--indexer-balance", action="store_true",
+                   help="only the indexer's per-rank scoring, contiguous vs zigzag, in one process (no torchrun needed)")
+    p.add_argument("--balance-cp", default="2,4", help="cp sizes simulated by --indexer-balance")
     args = p.parse_args(argv)
+    if args.indexer_balance:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        import genolong.kernels
+
+        genolong.kernels.load()
+        ops.use(args.kernels if args.device == "cuda" else "reference")
+        indexer_balance(args, Log(out, 0))
+        return 0
 
     from genolong.parallel.mesh import init_distributed
 

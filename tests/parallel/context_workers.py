@@ -48,6 +48,7 @@ class Case:
     recall: bool = False  # measure the indexer's recall (genolong/model/indexer_recall.py)
     pin: bool = False  # replace each indexer's selections by the reference's
     balance: bool = True  # the indexer's scoring in zigzag blocks (genolong/parallel/context_dsa.py)
+    memory: bool = False  # full-layer recompute and MoE chunking (genolong.train.memory) after CP
 
 
 def build(case: Case, seed: int = 0) -> GenoLongForCausalLM:
@@ -149,6 +150,12 @@ def _run_case(pmesh, case: Case, pin: dict | None, rank: int) -> dict:
 
     group, cp, size = pmesh.group("cp"), pmesh.rank("cp"), pmesh.size("cp")
     model = apply_context_parallel(build(case), pmesh, kda_mode=case.kda_mode, balance_indexer=case.balance)
+    if case.memory:
+        from genolong.train.memory import apply_memory_optimizations
+        from genolong.train.options import MemoryOptions
+
+        # The collectives of every mixer rerun inside backward (recompute), in the same order on every rank.
+        apply_memory_optimizations(model, MemoryOptions(recompute=True, offload=False, moe_chunking=True, moe_chunk_tokens=100))
     seen = capture_selections(model, pin if case.pin else None, cp)
     inputs, targets, valid = shard_batch(*batch(case), cp, size)
     count = global_valid_count(valid, group)

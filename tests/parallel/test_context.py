@@ -3,7 +3,7 @@
 One start of the processes per cp size serves every test here (module fixtures). Cases: `tiny`
 and a preset with GLM-5.3-Flash's head ratios (`mini`), both KDA modes, fp32 and bf16, batches
 of one and two sequences, N bases concentrated in one shard, the indexer's sparse KL loss, its
-dense warm-up and recall probe. Comparisons follow fla's CP tests: fp32 to ~1e-5, bf16 by relative
+dense warm-up and recall probe, and under full-layer recompute with MoE chunks. Comparisons follow fla's CP tests: fp32 to ~1e-5, bf16 by relative
 RMSE ~1e-2.
 
 The fp32 cases pin each indexer's selections to the reference's: rounding upstream (the KDA
@@ -31,6 +31,7 @@ CP2 = [
     W.Case("mini-ulysses", preset="mini", kda_mode="ulysses", pin=True),
     W.Case("tiny-sparse-kl", indexer_loss="sparse", recall=True, pin=True),
     W.Case("tiny-dense-warmup", indexer_loss="dense"),
+    W.Case("tiny-state-recompute", pin=True, memory=True, indexer_loss="sparse"),
 ]
 CP4 = [
     W.Case("tiny-state", pin=True),
