@@ -60,11 +60,10 @@ import torch.distributed as dist
 from genolong.model import get_preset, ops
 from genolong.model.dsa import DSAAttention
 from genolong.model.kda import KimiDeltaAttention
-from genolong.parallel.layout import ParallelLayout, check_layout
+from genolong.parallel.layout import KDA_MODES, ParallelLayout, check_layout
 from genolong.units import format_length, parse_length
 
 CHECK_TOLERANCE = 2e-2
-KDA_MODES = ("state", "ulysses")
 
 
 class Log:

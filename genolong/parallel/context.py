@@ -12,10 +12,12 @@ mixer to a subclass that reaches the other shards:
 - KDA (`kda_mode`, genolong/parallel/context_kda.py): "state" passes the recurrent state between
   ranks (each rank its tokens, all heads; a 3-token halo for the short conv) or "ulysses" splits
   heads (each rank gathers the whole sequence's input and runs its H/cp heads over it).
-- DSA (genolong/model/piece.py, used by genolong/model/dsa.py): each rank projects its own
-  queries, latent and pooled indexer keys; the latent and the pooled keys are all-gathered (their
-  gradients reduce-scattered back), the indexer scores only this rank's queries against every
-  pool (`query_offset`), and sparse attention reads the gathered latent.
+- DSA (genolong/parallel/context_dsa.py; the layer's own forward with a genolong/model/piece.py
+  `SequencePiece`): each rank projects its own queries, latent and pooled indexer keys; the
+  latent and the pooled keys are all-gathered (their gradients reduce-scattered back), the
+  queries are scored against every pool (`query_offset`) and attend over the gathered latent.
+  With `balance_indexer` the scoring (the one causal-triangular cost) moves in zigzag blocks
+  between ranks and the int32 selections come back to their owners.
 
 Parameters stay replicated on every cp rank; each rank's gradient is its shard's (state mode,
 DSA) or its heads' share (Ulysses) of the whole, and the "grad" group's sum (the trainer's, or
@@ -38,7 +40,7 @@ from genolong.model.indexer import Indexer
 from genolong.model.kda import KimiDeltaAttention
 from genolong.model.piece import SequencePiece
 from genolong.parallel.collectives import gather_along, reduce_sum
-from genolong.parallel.layout import KDA_MODES, check_kda_mode, required_multiple
+from genolong.parallel.layout import check_kda_mode
 
 
 class ContextGroup:
@@ -160,11 +162,6 @@ def check_context_parallel(config, layout, *, kda_mode: str = "state") -> None:
     if layout.cp > 1 and layout.tp > 1:
         raise GenolongError(f"--parallel {layout}: tp and cp together are not supported yet; use tp or cp (each composes with dp and ep)")
     check_kda_mode(layout, config, kda_mode)
-
-
-def context_multiple(config, layout) -> int:
-    """The sequence length must be a multiple of this under `layout` (whole KDA chunks and pools per shard)."""
-    return required_multiple(layout, config.dsa.indexer.kpool)
 
 
 def _config(model: nn.Module):

@@ -127,7 +127,7 @@ def test_cp1_state_passing_ops_equal_the_plain_ops():
                 assert rel_rmse(a, b) < 2e-2, (name, i)
 
 
-def _model(kda_mode: str | None):
+def _model():
     from genolong.model import get_preset
     from genolong.model.model import GenoLongForCausalLM
 
@@ -168,13 +168,13 @@ def _cp2_model(rank, world, kda_mode):
     out = {}
     with ops.policy("fused"):
         if rank == 0:
-            model = _model(None)
+            model = _model()
             per_token, seen = _model_run(model, inputs, targets, targets.numel())
             out["ref"] = {"losses": per_token.float().cpu().numpy(), "selections": seen,
                           "grads": {n: p.grad.float().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None}}
             del model
         ops.reset_audit()
-        model = apply_context_parallel(_model(kda_mode), pmesh, kda_mode=kda_mode)
+        model = apply_context_parallel(_model(), pmesh, kda_mode=kda_mode)
         mine = shard_batch(inputs, targets, targets >= 0, rank, world)
         per_token, seen = _model_run(model, mine[0], mine[1], targets.numel())
         sum_gradients(model, group)
