@@ -24,8 +24,12 @@ context-parallel path against the plain layers on one GPU:
    - the indexer's scoring alone per rank, contiguous vs zigzag (the load balance);
    - communication: each mode's collectives alone at the same sizes (forward and backward),
      and their share of the layer time.
-   Per-step figures for a 45-layer model are *estimated* as 34 KDA + 11 DSA layer times (x2 for
-   full recompute's second forward is not included); the table says so.
+   Per-step figures for a 45-layer model are *estimated* as 34 KDA + 11 DSA layer times (full
+   recompute's second forward not included); the table says so.
+3. Order: everything that does not need fla's CP kernels first (the Ulysses check and layers, DSA,
+   the indexer, the collectives, the reference recurrence), then the state check, the state
+   layer and fla's CP recurrence: a fla CP call once ran 7 minutes without output on two H200s
+   (undiagnosed), and results.jsonl keeps whatever was measured before a stop.
 
 Every rank writes OUT/rank<r>.log; rank 0 writes OUT/results.jsonl (appended as it goes) and
 OUT/table.txt. Once --budget-s is spent the remaining measurements are recorded as skipped (a
@@ -60,7 +64,7 @@ import torch.distributed as dist
 from genolong.model import get_preset, ops
 from genolong.model.dsa import DSAAttention
 from genolong.model.kda import KimiDeltaAttention
-from genolong.parallel.layout import KDA_MODES, ParallelLayout, check_layout
+from genolong.parallel.layout import ParallelLayout, check_layout
 from genolong.units import format_length, parse_length
 
 CHECK_TOLERANCE = 2e-2
@@ -105,16 +109,22 @@ def _gather_floats(value: float, device) -> list[float]:
     return [float(x) for x in out]
 
 
+CPU_SECONDS: list[float] = []  # the process CPU time of the last `timed` call (the slowest rank's)
+
+
 def timed(fn, device, reps: int) -> float:
-    """Median seconds of fn() over `reps` calls after one left-out call; the slowest rank's."""
-    times = []
+    """Median wall seconds of fn() over `reps` calls after one left-out call, the slowest rank's; the
+    median process CPU seconds go to CPU_SECONDS (the measure on a shared CPU machine)."""
+    times, cpu = [], []
     for i in range(reps + 1):
         _sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         _sync(device)
         if i:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    CPU_SECONDS[:] = [_max(statistics.median(cpu), device)]
     return _max(statistics.median(times), device)
 
 
@@ -127,7 +137,7 @@ class Bench:
         self.pmesh = build_mesh(ParallelLayout(cp=self.world), device.type)
         self.group = self.pmesh.group("cp")
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.config = get_preset(args.preset, num_layers=4)
+        self.config = get_preset(args.preset, num_layers=4, **json.loads(args.preset_overrides))
         self.start = time.perf_counter()
         self.records: list[dict] = []
 
@@ -217,19 +227,12 @@ class Bench:
 
         return step
 
-    def time_layers(self, seq: int, modes: list[str]) -> None:
+    def time_layers(self, seq: int, variants: list[tuple[str, str, object]]) -> None:
+        """Forward + backward of one layer per (kind, variant name, mode) at `seq` (module docstring)."""
         local = seq // self.world
-        reps, rows = self.args.reps, {}
-        variants = [("kda", "plain", None), ("kda", "state", "state"), ("kda", "ulysses", "ulysses"),
-                    ("dsa", "plain", None), ("dsa", "own queries", False), ("dsa", "zigzag", True)]
         for kind, name, how in variants:
-            if name == "plain" and self.world > 1:
-                continue  # the cp=1 run of the same length is the baseline
             if self.out_of_time():
                 self.record(phase="skip", seq=seq, layer=kind, variant=name, why="time budget spent")
-                continue
-            if kind == "kda" and how is not None and (how not in modes or (how == "ulysses" and self.config.kda.num_heads % self.world)):
-                self.record(phase="skip", seq=seq, layer=kind, variant=name, why="failed its check or heads do not split")
                 continue
             cls = KimiDeltaAttention if kind == "kda" else DSAAttention
             module = self.layer(cls)
@@ -237,7 +240,7 @@ class Bench:
                 module = self.apply(module, kind, kda_mode=how if kind == "kda" else "state", balanced=bool(how))
             ops.reset_audit()
             try:
-                seconds = timed(self.fwd_bwd(module, local), self.device, reps)
+                seconds = timed(self.fwd_bwd(module, local), self.device, self.args.reps)
             except (torch.cuda.OutOfMemoryError, ops.KernelFallbackError) as why:
                 # Every rank meets the same shapes, so every rank stops at the same call.
                 self.record(phase="skip", seq=seq, layer=kind, variant=name, why=f"{type(why).__name__}: {str(why)[:300]}")
@@ -245,20 +248,13 @@ class Bench:
                 self.free()
                 continue
             peak = _max(torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0, self.device)
-            rows[(kind, name)] = seconds
             self.record(phase="layer", seq=seq, cp=self.world, layer=kind, variant=name, fwd_bwd_s=seconds, peak_gib=peak,
-                        audit=ops.audit_summary())
+                        cpu_s=CPU_SECONDS[0], audit=ops.audit_summary())
             del module
             self.free()
-        if not self.out_of_time():
-            self.time_recurrence(seq)
-        if not self.out_of_time():
-            self.time_indexer(seq)
-        if not self.out_of_time():
-            self.time_comms(seq, rows)
 
-    def time_recurrence(self, seq: int) -> None:
-        """The state-passing "kda_cp" op alone, both implementations, and the plain "kda" op at N=1."""
+    def time_recurrence(self, seq: int, names: tuple[str, ...]) -> None:
+        """The state-passing "kda_cp" op alone (implementations `names`), and the plain "kda" op at N=1."""
         from genolong.parallel.context_kda import kda_cp_reference
         from genolong.parallel.context_kda_fla import kda_cp_fla
 
@@ -269,10 +265,9 @@ class Bench:
         gate = (-5 * torch.sigmoid(torch.randn(*shape, device=self.device, generator=g) - 3)).to(self.dtype).requires_grad_()
         beta = torch.sigmoid(torch.randn(*shape[:3], device=self.device, generator=g)).to(self.dtype).requires_grad_()
         impls = {"state reference": lambda: kda_cp_reference(q, k, v, gate, beta, group=self.group, layer=0),
-                 "state fla_cp": lambda: kda_cp_fla(q, k, v, gate, beta, group=self.group)}
-        if self.world == 1:
-            impls["plain"] = lambda: ops.call("kda", 0, q, k, v, gate, beta)
-        for name, fn in impls.items():
+                 "state fla_cp": lambda: kda_cp_fla(q, k, v, gate, beta, group=self.group),
+                 "plain": lambda: ops.call("kda", 0, q, k, v, gate, beta)}
+        for name, fn in ((n, impls[n]) for n in names if n != "plain" or self.world == 1):
             def step(fn=fn):
                 fn().float().square().mean().backward()
             try:
@@ -280,7 +275,7 @@ class Bench:
             except (ops.KernelUnsupported, torch.cuda.OutOfMemoryError) as why:
                 self.record(phase="recurrence", seq=seq, impl=name, why=str(why))
                 continue
-            self.record(phase="recurrence", seq=seq, cp=self.world, impl=name, fwd_bwd_s=seconds)
+            self.record(phase="recurrence", seq=seq, cp=self.world, impl=name, fwd_bwd_s=seconds, cpu_s=CPU_SECONDS[0])
         self.free()
 
     def time_indexer(self, seq: int) -> None:
@@ -320,7 +315,7 @@ class Bench:
                         slowest_s=max(per_rank), slowest_over_mean=max(per_rank) / (sum(per_rank) / len(per_rank)))
         self.free()
 
-    def time_comms(self, seq: int, layer_times: dict) -> None:
+    def time_comms(self, seq: int) -> None:
         """Each mode's collectives alone at the layer's sizes, forward + backward (their adjoints)."""
         from genolong.parallel.collectives import from_previous_rank, gather_along, scatter_sum_along
 
@@ -341,12 +336,10 @@ class Bench:
         def dsa():
             gather_along(latent, 1, self.group).float().sum().backward()
 
-        for name, fn, layer in (("kda ulysses", ulysses, ("kda", "ulysses")), ("kda state", state, ("kda", "state")),
-                                ("dsa latent", dsa, ("dsa", "zigzag"))):
+        for name, fn, (kind, variant) in (("kda ulysses", ulysses, ("kda", "ulysses")), ("kda state", state, ("kda", "state")),
+                                          ("dsa latent", dsa, ("dsa", "zigzag"))):
             seconds = timed(fn, dev, self.args.reps)
-            total = layer_times.get(layer)
-            self.record(phase="comm", seq=seq, cp=self.world, what=name, fwd_bwd_s=seconds,
-                        share_of_layer=None if not total else seconds / total)
+            self.record(phase="comm", seq=seq, cp=self.world, what=name, fwd_bwd_s=seconds, cpu_s=CPU_SECONDS[0], layer=kind, variant=variant)
         self.free()
 
     def free(self) -> None:
@@ -362,7 +355,7 @@ def indexer_balance(args, log) -> None:
 
     device = torch.device(args.device if args.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    cfg = get_preset(args.preset).dsa.indexer
+    cfg = get_preset(args.preset, **json.loads(args.preset_overrides)).dsa.indexer
     kw = dict(kpool=cfg.kpool, topk_pools=cfg.topk_pools, always_select_tail=cfg.always_select_tail, softmax_scale=cfg.head_dim**-0.5)
     lines = ["| length | cp | assignment | per rank: wall s (CPU s) | slowest wall s | slowest / mean |", "|---|---|---|---|---|---|"]
     for seq in (parse_length(x) for x in args.lengths.split(",")):
@@ -402,23 +395,24 @@ def indexer_balance(args, log) -> None:
 
 def table(records: list[dict]) -> str:
     lines = ["| length | cp | what | fwd+bwd ms (slowest rank) | notes |", "|---|---|---|---|---|"]
+    by = {(r["seq"], r["layer"], r["variant"]): r["fwd_bwd_s"] for r in records if r["phase"] == "layer"}
     for r in records:
         seq = format_length(r["seq"]) if "seq" in r else ""
         if r["phase"] == "check":
             lines.append(f"| {seq} | | check {r['kda_mode']} | | rel RMSE {r['rel_rmse']:.2e} {'ok' if r['ok'] else 'FAILED'} |")
         elif r["phase"] == "layer":
-            lines.append(f"| {seq} | {r['cp']} | {r['layer']} layer, {r['variant']} | {1e3 * r['fwd_bwd_s']:.1f} | peak {r['peak_gib']:.1f} GiB |")
+            lines.append(f"| {seq} | {r['cp']} | {r['layer']} layer, {r['variant']} | {1e3 * r['fwd_bwd_s']:.1f} | peak {r['peak_gib']:.1f} GiB; CPU {1e3 * r['cpu_s']:.0f} ms |")
         elif r["phase"] == "recurrence" and "fwd_bwd_s" in r:
-            lines.append(f"| {seq} | {r['cp']} | KDA recurrence, {r['impl']} | {1e3 * r['fwd_bwd_s']:.1f} | |")
+            lines.append(f"| {seq} | {r['cp']} | KDA recurrence, {r['impl']} | {1e3 * r['fwd_bwd_s']:.1f} | CPU {1e3 * r['cpu_s']:.0f} ms |")
         elif r["phase"] == "indexer":
             per = ", ".join(f"{1e3 * t:.0f}" for t in r["per_rank_s"])
             lines.append(f"| {seq} | {r['cp']} | indexer scoring, {r['assignment']} (fwd) | {1e3 * r['slowest_s']:.1f} | per rank {per}; slowest/mean {r['slowest_over_mean']:.2f} |")
         elif r["phase"] == "comm":
-            share = "" if r["share_of_layer"] is None else f"{100 * r['share_of_layer']:.0f}% of the layer"
+            layer = by.get((r["seq"], r["layer"], r["variant"]))
+            share = "" if not layer else f"{100 * r['fwd_bwd_s'] / layer:.0f}% of the {r['layer']} layer ({r['variant']})"
             lines.append(f"| {seq} | {r['cp']} | collectives alone: {r['what']} | {1e3 * r['fwd_bwd_s']:.1f} | {share} |")
         elif r["phase"] == "skip":
             lines.append(f"| {seq} | | {r.get('layer', '')} {r.get('variant', r.get('kda_mode', ''))} | skipped | {r['why']} |")
-    by = {(r["seq"], r["layer"], r["variant"]): r["fwd_bwd_s"] for r in records if r["phase"] == "layer"}
     for seq in sorted({s for s, _, _ in by}):
         for kda, dsa in (("state", "zigzag"), ("ulysses", "zigzag"), ("plain", "plain")):
             if (seq, "kda", kda) in by and (seq, "dsa", dsa) in by:
@@ -431,6 +425,7 @@ def table(records: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="glm53-mini")
+    p.add_argument("--preset-overrides", default="{}", help='JSON for get_preset, e.g. \'{"dsa": {"indexer": {"topk": 64}}}\'')
     p.add_argument("--lengths", default="512k,1M", help="whole-sequence lengths; each rank holds length / N")
     p.add_argument("--check-seq", default="16k")
     p.add_argument("--reps", type=int, default=3)
@@ -471,13 +466,28 @@ def main(argv=None) -> int:
     lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
     for seq in lengths:
         check_layout(ParallelLayout(cp=world), bench.config, seq_len=seq, batch=1, world_size=world)
-    modes = [m for m in KDA_MODES if bench.check(m)]
-    failed = [m for m in KDA_MODES if m not in modes]
-    if failed:
-        log(f"FAILED the check: {', '.join(failed)}; not timed")
+    # fla's CP kernels (the state mode under the fused policy) once ran for 7 minutes without output
+    # on two H200s (undiagnosed): everything that does not need them is measured first, and every
+    # result is appended to results.jsonl as it comes.
+    plain = [("kda", "plain", None), ("dsa", "plain", None)] if world == 1 else []
+    dsa = [("dsa", "own queries", False), ("dsa", "zigzag", True)]
+    ulysses_ok = bench.config.kda.num_heads % world == 0 and bench.check("ulysses")
     for seq in lengths:
         log(f"length {format_length(seq)}: {format_length(seq // world)} tokens per rank")
-        bench.time_layers(seq, modes)
+        bench.time_layers(seq, plain + ([("kda", "ulysses", "ulysses")] if ulysses_ok else []) + dsa)
+        for extra in (lambda: bench.time_recurrence(seq, ("plain", "state reference")), lambda: bench.time_indexer(seq),
+                      lambda: bench.time_comms(seq)):
+            if not bench.out_of_time():
+                extra()
+    state_ok = bench.check("state")
+    for seq in lengths:
+        if state_ok:
+            bench.time_layers(seq, [("kda", "state", "state")])
+        if not bench.out_of_time():
+            bench.time_recurrence(seq, ("state fla_cp",))
+    failed = [m for m, ok in (("ulysses", ulysses_ok), ("state", state_ok)) if not ok]
+    if failed:
+        log(f"FAILED the check (or, for ulysses, heads do not split over {world}): {', '.join(failed)}; not timed")
     text = table(bench.records)
     log("\n" + text)
     if rank == 0:

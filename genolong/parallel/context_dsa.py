@@ -62,13 +62,11 @@ class BalancedIndexer(Indexer):
             raise GenolongError(f"layer {self.layer_idx}: a context shard of {rows} tokens does not split into two scoring blocks")
         proj = self.project(x, q_resid, piece)
         plan = ZigzagPlan(self.cp.rank, self.cp.size, rows // 2)
-        index_q = plan.to_scorers(proj.index_q, self.cp.group)
-        head_weights = plan.to_scorers(proj.head_weights, self.cp.group)
-        scored = [
-            self.select(IndexerProjections(q_b, proj.pool_keys, w_b), query_offset=offset)
-            for q_b, w_b, offset in plan.scored_blocks(index_q, head_weights)
-        ]
-        return plan.to_owners(torch.cat(scored, dim=1), self.cp.group)
+
+        def score(index_q, head_weights, offset):
+            return self.select(IndexerProjections(index_q, proj.pool_keys, head_weights), query_offset=offset)
+
+        return plan.select(score, proj.index_q, proj.head_weights, self.cp.group)
 
     def extra_repr(self) -> str:
         return f"{self.cp}, scores zigzag blocks of queries"
@@ -104,11 +102,27 @@ class ZigzagPlan:
             part = slice(i * self.block, (i + 1) * self.block)
             yield index_q[:, part], head_weights[:, part], b * self.block
 
-    def to_owners(self, scored: torch.Tensor, group) -> torch.Tensor:
-        """The selections of the scored blocks, [B, 2 block, W] in `received` order -> this rank's own rows."""
-        back = exchange(scored.transpose(0, 1).contiguous(), self.recv_counts, self.send_counts, group).transpose(0, 1)
-        out = torch.empty_like(back)
-        for i, b in enumerate(self.sent):
-            start = (b - 2 * self.rank) * self.block
-            out[:, start : start + self.block] = back[:, i * self.block : (i + 1) * self.block]
-        return out
+    def select(self, score, index_q: torch.Tensor, head_weights: torch.Tensor, group) -> torch.Tensor:
+        """This rank's selections [B, 2 block, W]: its queries go to their scorers, `score(index_q,
+        head_weights, query_offset)` runs on the blocks this rank scores, the selections come back.
+
+        The selections are the big tensor here (2051 int32 per query: 4 GiB per 512k tokens), so
+        they are written into one buffer as each block is scored, the buffer is freed once sent, and
+        the returned rows are put in order in place: at most two copies exist at a time."""
+        index_q, head_weights = self.to_scorers(index_q, group), self.to_scorers(head_weights, group)
+        scored = None
+        for i, (q_b, w_b, offset) in enumerate(self.scored_blocks(index_q, head_weights)):
+            block = score(q_b, w_b, offset)
+            if scored is None:
+                scored = block.new_empty(block.shape[0], len(self.received) * self.block, block.shape[2])
+            scored[:, i * self.block : (i + 1) * self.block] = block
+            del block
+        del index_q, head_weights
+        back = exchange(scored.transpose(0, 1).contiguous(), self.recv_counts, self.send_counts, group)
+        del scored
+        back = back.transpose(0, 1)  # [B, 2 block, W]: this rank's blocks in `sent` order
+        if self.sent != sorted(self.sent):  # the later own block came back first: swap the halves
+            first = back[:, : self.block].clone()
+            back[:, : self.block] = back[:, self.block :]
+            back[:, self.block :] = first
+        return back.contiguous()  # (a copy only for B > 1)

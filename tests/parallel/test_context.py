@@ -35,7 +35,7 @@ CP2 = [
 ]
 CP4 = [
     W.Case("tiny-state", pin=True),
-    W.Case("mini-ulysses-uneven", preset="mini", kda_mode="ulysses", pin=True, uneven_n=True),
+    W.Case("mini-ulysses-uneven", preset="mini", kda_mode="ulysses", pin=True, uneven_n=True, memory=True),
     W.Case("mini-state-bf16", preset="mini", dtype="bf16", pin=True),
     W.Case("tiny-sparse-kl", indexer_loss="sparse", recall=True, pin=True),
 ]
