@@ -11,7 +11,8 @@ mixer to a subclass that reaches the other shards:
 
 - KDA (`kda_mode`, genolong/parallel/context_kda.py): "state" passes the recurrent state between
   ranks (each rank its tokens, all heads; a 3-token halo for the short conv) or "ulysses" splits
-  heads (each rank gathers the whole sequence's input and runs its H/cp heads over it).
+  heads (each rank gathers the whole sequence's input and runs its H/cp heads over it); "auto"
+  (the default) is "ulysses" where the KDA heads divide by cp, else "state".
 - DSA (genolong/parallel/context_dsa.py; the layer's own forward with a genolong/model/piece.py
   `SequencePiece`): each rank projects its own queries, latent and pooled indexer keys; the
   latent and the pooled keys are all-gathered (their gradients reduce-scattered back), the
@@ -40,7 +41,7 @@ from genolong.model.indexer import Indexer
 from genolong.model.kda import KimiDeltaAttention
 from genolong.model.piece import SequencePiece
 from genolong.parallel.collectives import gather_along, reduce_sum
-from genolong.parallel.layout import check_kda_mode
+from genolong.parallel.layout import check_kda_mode, resolve_kda_mode
 
 
 class ContextGroup:
@@ -128,10 +129,11 @@ def sum_gradients(model: nn.Module, group) -> None:
 # ---------------------------------------------------------------------------------- the pass
 
 
-def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "state", balance_indexer: bool = True) -> nn.Module:
+def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "auto", balance_indexer: bool = True) -> nn.Module:
     """Split every sequence mixer of `model` over pmesh's "cp" group in place and return it.
 
-    kda_mode: "state" (pass the recurrent state between ranks) or "ulysses" (split KDA heads);
+    kda_mode: "state" (pass the recurrent state between ranks), "ulysses" (split KDA heads) or
+    "auto" ("ulysses" where the KDA heads divide by cp, else "state"; print(model) shows which);
     balance_indexer: score the DSA indexer's queries in zigzag blocks (genolong/parallel/
     context_dsa.py) instead of each rank its own. Applies at any cp size (at cp=1 the collectives
     are no-ops, so the path's own overhead can be measured); a trainer calls it only when cp > 1.
@@ -144,6 +146,7 @@ def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "state", 
     if any(isinstance(m, (ContextParallelDSA, ContextParallelKDA)) for m in model.modules()):
         raise GenolongError("context parallelism is already applied to this model; apply it once, to the plain model")
     cp = ContextGroup(pmesh.group("cp"), pmesh.rank("cp"), pmesh.size("cp"))
+    kda_mode = resolve_kda_mode(config, cp.size, kda_mode)
     for module in list(model.modules()):
         if type(module) is KimiDeltaAttention:
             module.__class__ = ContextParallelKDA
@@ -157,7 +160,7 @@ def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "state", 
     return model
 
 
-def check_context_parallel(config, layout, *, kda_mode: str = "state") -> None:
+def check_context_parallel(config, layout, *, kda_mode: str = "auto") -> None:
     """Raise a one-line GenolongError if `config` (a ModelConfig) cannot run at `layout`'s cp."""
     if layout.cp > 1 and layout.tp > 1:
         raise GenolongError(f"--parallel {layout}: tp and cp together are not supported yet; use tp or cp (each composes with dp and ep)")

@@ -1,5 +1,8 @@
 """KDA under context parallelism: state passing ("state") or a Ulysses head split ("ulysses").
 
+Which one runs: `kda_mode` of apply_context_parallel; its default "auto" takes Ulysses where the
+KDA heads divide by cp (measured faster, docs/parallel.md), state passing elsewhere.
+
 **State passing.** Rank r holds tokens [r T/cp, (r+1) T/cp) with all heads.
 - The short conv (kernel W) at a shard's first W-1 tokens reads the previous shard's last W-1
   pre-conv channels: they come from the previous rank (`from_previous_rank`), their gradient goes

@@ -39,7 +39,7 @@ PRESETS = {"tiny": ("tiny", {}), "mini": ("glm53-mini", MINI)}
 class Case:
     name: str
     preset: str = "tiny"
-    kda_mode: str = "state"
+    kda_mode: str = "state"  # (the tests name the mode; "auto" is tested in test_context_plan.py)
     dtype: str = "fp32"
     seq: int = 512
     batch: int = 1

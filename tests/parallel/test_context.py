@@ -23,7 +23,7 @@ from tests.parallel.tensor_expert_workers import rel_rmse, same_set_rows
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 CP2 = [
-    W.Case("tiny-state", pin=True, batch=2),
+    W.Case("tiny-state", kda_mode="state", pin=True, batch=2),
     W.Case("tiny-ulysses", kda_mode="ulysses", pin=True, balance=False),
     W.Case("tiny-state-bf16", dtype="bf16", pin=True),
     W.Case("tiny-ulysses-bf16", kda_mode="ulysses", dtype="bf16", pin=True),
@@ -200,7 +200,7 @@ def test_refusals_name_the_problem(cp2):
     assert "does not split into 2 context shards" in messages[1]
     assert "3 KDA heads do not split evenly over 2 ranks" in messages[2]
     assert "already applied" in messages[3]
-    assert "'heads' is not one of state, ulysses" in messages[4]
+    assert "'heads' is not one of auto, state, ulysses" in messages[4]
     assert all("\n" not in m for m in messages)
 
 

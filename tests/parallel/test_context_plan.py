@@ -8,7 +8,7 @@ from genolong.errors import GenolongError
 from genolong.model import get_preset
 from genolong.parallel.context import shard_batch, shard_slice
 from genolong.parallel.context_dsa import ZigzagPlan
-from genolong.parallel.layout import ParallelLayout, check_layout, required_multiple
+from genolong.parallel.layout import ParallelLayout, check_layout, required_multiple, resolve_kda_mode
 
 
 def test_contiguous_shards_in_rank_order():
@@ -35,11 +35,12 @@ def test_check_layout_rules_for_cp():
     assert required_multiple(ParallelLayout(cp=4), 4) == 256
     with pytest.raises(GenolongError, match="--seq 320 does not split into 4 context shard"):
         check_layout(ParallelLayout(cp=4), config, seq_len=320, batch=1)
-    check_layout(ParallelLayout(cp=4), config, seq_len=512, batch=1)  # state passing: any head count
+    check_layout(ParallelLayout(cp=4), config, seq_len=512, batch=1)  # auto: state passing where heads do not split
+    check_layout(ParallelLayout(cp=4), config, seq_len=512, batch=1, kda_mode="state")
     with pytest.raises(GenolongError, match="2 KDA heads do not split evenly over 4 ranks; use a cp that divides 2, or the state-passing"):
         check_layout(ParallelLayout(cp=4), config, seq_len=512, batch=1, kda_mode="ulysses")
     check_layout(ParallelLayout(cp=2), config, seq_len=512, batch=1, kda_mode="ulysses")
-    with pytest.raises(GenolongError, match="'heads' is not one of state, ulysses"):
+    with pytest.raises(GenolongError, match="'heads' is not one of auto, state, ulysses"):
         check_layout(ParallelLayout(cp=2), config, seq_len=512, batch=1, kda_mode="heads")
 
 
@@ -67,3 +68,9 @@ def test_zigzag_blocks_carry_their_query_offsets():
     blocks = list(plan.scored_blocks(t, t))
     assert plan.received == [1, 2] and [offset for _, _, offset in blocks] == [3, 6]
     assert torch.equal(torch.cat([q for q, _, _ in blocks], 1), t)
+
+
+def test_auto_kda_mode_takes_ulysses_where_heads_divide():
+    config = get_preset("tiny")  # 2 KDA heads
+    assert [resolve_kda_mode(config, cp, "auto") for cp in (1, 2, 4)] == ["ulysses", "ulysses", "state"]
+    assert resolve_kda_mode(config, 2, "state") == "state"
