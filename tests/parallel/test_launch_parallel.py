@@ -1,9 +1,10 @@
 """Launching a multi-process run the usual ways, on the CPU: `torchrun ... -m genolong finetune
---parallel dp=2 --device cpu` end to end; a rank killed with SIGKILL mid-run ends the whole run
+--parallel dp=2 --device cpu` end to end, and `--parallel cp=2` with the one-process losses; a rank killed with SIGKILL mid-run ends the whole run
 with the reason and leaves only complete checkpoints (the run resumes from the last one); Ray with
 one actor per rank, where the first actor to fail stops the other and its error comes back as one line."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -27,11 +28,11 @@ def data(tmp_path_factory):
     return prepared_genome(tmp_path_factory.mktemp("genome"))
 
 
-def _torchrun(data, out, *extra, steps=2):
+def _torchrun(data, out, *extra, steps=2, parallel="dp=2", seq=64, batch=2, launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "genolong", "finetune",
-        "--parallel", "dp=2", "--device", "cpu", "--data", str(data), "--out", str(out), "--preset", "tiny",
-        "--seq", "64", "--batch", "2", "--steps", str(steps), "--warmup", "1", "--no-progress", "--no-offload", *extra,
+        sys.executable, *launcher, "-m", "genolong", "finetune",
+        *(("--parallel", parallel) if parallel else ()), "--device", "cpu", "--data", str(data), "--out", str(out), "--preset", "tiny",
+        "--seq", str(seq), "--batch", str(batch), "--steps", str(steps), "--warmup", "1", "--no-progress", "--no-offload", *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -47,6 +48,26 @@ def test_torchrun_dp2_finetune_runs_end_to_end(data, tmp_path):
     assert ckpt.name == "step_00000002" and (ckpt / "dcp").is_dir()
     assert json.loads((ckpt / "trainer_state.json").read_text())["layout"] == "dp=2,cp=1,tp=1,ep=1"
     assert json.loads((tmp_path / "run" / "options.json").read_text())["parallel"] == "dp=2"
+
+
+def test_torchrun_cp2_finetune_has_the_one_process_losses(data, tmp_path):
+    """The issue's headline command: one sequence split over two processes (gloo, fp32) trains what
+    one process trains, step for step, and counts its tokens once."""
+    split = _torchrun(data, tmp_path / "cp2", steps=3, parallel="cp=2", seq=128, batch=1)
+    whole = _torchrun(data, tmp_path / "one", steps=3, parallel=None, seq=128, batch=1, launcher=())
+    (out, err), (_, whole_err) = split.communicate(timeout=300), whole.communicate(timeout=300)
+    assert split.returncode == 0, err[-3000:]
+    assert whole.returncode == 0, whole_err[-3000:]
+    assert out.count("step 3/3: loss") == 1
+    cp2, one = read_jsonl(tmp_path / "cp2" / "metrics.jsonl"), read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    assert [r["step"] for r in cp2] == [1, 2, 3]
+    assert [r["tokens"] for r in cp2] == [r["tokens"] for r in one] == [128] * 3
+    assert [r["valid_tokens"] for r in cp2] == [r["valid_tokens"] for r in one]
+    for a, b in zip(cp2, one, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=2e-5), (cp2, one)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (cp2, one)
+    assert len({r["loss"] for r in one}) == 3  # the updates move the loss: a wrong gradient would show
+    assert json.loads((ckpt_io.latest(tmp_path / "cp2") / "trainer_state.json").read_text())["layout"] == "dp=1,cp=2,tp=1,ep=1"
 
 
 def _rank_pid(parent_pid: int, rank: str) -> int | None:

@@ -102,6 +102,26 @@ def test_dp2_checkpoint_resumes_in_one_process_and_exports(data, tmp_path):
         export(run, tmp_path / "hf3", step=3)
 
 
+def test_cp2_trains_what_one_process_trains_and_resumes_in_one_process(data, tmp_path):
+    """One sequence split over two cp ranks (the context-parallel pass inside the loop, recompute on):
+    the one-process losses and norms, its tokens counted once, and a checkpoint saved at cp=2 that
+    one process resumes with the uninterrupted run's next loss."""
+    single = train(_options(data, tmp_path / "single", seq_len=128, batch=1, steps=3, memory=MemoryOptions(offload=False, moe_chunk_tokens=48)))
+    run = tmp_path / "cp2"
+    ranks = run_ranks(_train_rank, 2, _options(data, run, seq_len=128, batch=1, steps=3, stop_after=2, parallel="cp=2").to_dict())
+    first = ranks[0]
+    assert [r["loss"] for r in ranks[0]] == [r["loss"] for r in ranks[1]]
+    assert [r["tokens"] for r in first] == [128, 128] and [r["valid_tokens"] for r in first] == [r["valid_tokens"] for r in single[:2]]
+    assert _close([r["loss"] for r in first], [r["loss"] for r in single[:2]]), (first, single)
+    assert _close([r["grad_norm"] for r in first], [r["grad_norm"] for r in single[:2]], rtol=1e-4)
+    state = json.loads((run / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert state["layout"] == "dp=1,cp=2,tp=1,ep=1"
+    rest = train(load_run_options(run, progress=False, stop_after=None, parallel=None))
+    assert [r["step"] for r in rest] == [3]
+    assert _close([r["loss"] for r in rest], [single[2]["loss"]]), (rest, single)
+    assert len({r["loss"] for r in single}) == 3
+
+
 def _gradient_sync(rank, world, bucket):
     import torch.distributed as dist
 
