@@ -96,6 +96,10 @@ def check_processes(options, config) -> None:
         )
     started = world[1] if world is not None else None
     check_layout(layout, config, seq_len=options.seq_len, batch=options.batch, world_size=started)
+    if layout.cp > 1:
+        from genolong.parallel.context import check_context_parallel
+
+        check_context_parallel(config, layout)  # what the context-parallel pass refuses, before anything is built
     per_rank = options.batch // layout.data_parallel
     if per_rank % options.grad_accum:
         raise GenolongError(

@@ -273,11 +273,13 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, para
     # One count of valid targets for the whole step, every rank's tokens once (docs/parallel.md).
     local_valid = torch.tensor(sum(int(b.valid.sum()) for b in batch_list), dtype=torch.int64, device=device)
     valid_count = int(procs.sum(local_valid))
-    loss_ranks = procs.coords("loss")[1]
+    # The indexer's KL is already the whole sequence's on every cp rank (genolong/model/piece.py):
+    # each batch rank's sequences weigh 1 / (batch ranks), whatever cp splits them into.
+    batch_ranks = procs.coords("batch")[1]
     total = torch.zeros((), dtype=torch.float32, device=device)
     indexer.begin_step(step)
     for micro in batch_list:
-        indexer.micro_batch(1 / (len(batch_list) * loss_ranks))
+        indexer.micro_batch(1 / (len(batch_list) * batch_ranks))
         with indexer.forward_context():
             hidden = model.hidden_states(micro.inputs)
             weight = model.lm_head.weight
@@ -334,17 +336,18 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, para
 
 
 def distributed_indexer_metrics(metrics: dict, procs) -> dict:
-    """The indexer's per-layer KL (each rank's share of the step mean) summed over the "loss" ranks,
-    its recall averaged over them; unchanged for one process."""
+    """The indexer's per-layer KL (each batch rank's share of the step mean) summed over the "batch"
+    ranks, its recall averaged over them; unchanged for one process. Both are already summed over
+    the cp ranks of a sequence by the layers themselves (genolong/model/piece.py)."""
     if procs.pmesh is None:
         return metrics
-    ranks = procs.coords("loss")[1]
+    ranks = procs.coords("batch")[1]
     for key, scale in (("indexer_loss", 1.0), ("indexer_recall", 1.0 / ranks)):
         layers = metrics.get(f"{key}_layers")
         if not layers:
             continue
         names = sorted(layers)
-        summed = procs.sum(torch.tensor([layers[n] for n in names], dtype=torch.float64, device=procs._reduce_device())) * scale
+        summed = procs.sum(torch.tensor([layers[n] for n in names], dtype=torch.float64, device=procs._reduce_device()), "batch") * scale
         metrics[f"{key}_layers"] = {n: float(v) for n, v in zip(names, summed.tolist(), strict=True)}
         metrics[key] = sum(metrics[f"{key}_layers"].values()) / len(names)
     return metrics
