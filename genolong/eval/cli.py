@@ -200,7 +200,7 @@ def _rank_share(parallel: str | None, dev):
     if layout.cp > 1 or layout.tp > 1 or layout.ep > 1:
         raise GenolongError(
             f"eval-positional --parallel {layout}: only dp (windows split over processes) is supported yet; scoring one window "
-            "over cp ranks needs the context-parallel wrappers; use --parallel dp=N"
+            "over cp, tp or ep ranks is not wired into eval-positional; use --parallel dp=N"
         )
     started = world[1] if world else 1
     if layout.dp != started:

@@ -13,12 +13,12 @@ Tokens of one window. The window of seq_len + 1 bases becomes inputs (the first 
 targets (the last seq_len, shifted by one) *before* any sharding, so every target is the token
 after its input even at a shard boundary; then inputs, targets and the valid mask (target not N)
 are cut into cp contiguous shards of seq_len / cp tokens, cp rank i holding tokens
-[i * seq_len / cp, (i + 1) * seq_len / cp). The context-parallel wrappers expect exactly this.
+[i * seq_len / cp, (i + 1) * seq_len / cp) (`genolong.parallel.context.shard_batch`, which the
+loop calls). The context-parallel wrappers expect exactly this.
 """
 
 from __future__ import annotations
 
-import torch
 
 from genolong.errors import GenolongError
 
@@ -44,13 +44,3 @@ def load_sampler_state(sampler, state: dict) -> None:
     sampler.load_state_dict({**{k: v for k, v in state.items() if k not in layout_fields},
                              **{k: mine[k] for k in layout_fields}, "windows_yielded": drawn // ranks})
 
-
-def cp_shard(t: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
-    """Contiguous shard `rank` of `size` along `dim` (the sequence): see the module docstring."""
-    if size == 1:
-        return t
-    length = t.shape[dim]
-    if length % size:
-        raise GenolongError(f"a sequence of {length} tokens does not split into {size} context-parallel shards; use a --seq divisible by {size}")
-    part = length // size
-    return t.narrow(dim, rank * part, part)

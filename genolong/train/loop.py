@@ -49,7 +49,8 @@ import torch
 from genolong.errors import GenolongError
 from genolong.model import ops
 from genolong.parallel import checkpoint as dist_ckpt
-from genolong.parallel.data import cp_shard, load_sampler_state, sampler_state
+from genolong.parallel.context import shard_batch
+from genolong.parallel.data import load_sampler_state, sampler_state
 from genolong.train import checkpoint as ckpt_io
 from genolong.train import distributed
 from genolong.train.flops import peak_flops, step_flops
@@ -585,7 +586,7 @@ def _split(windows, options: TrainOptions, dna_map, device: str, cp: tuple[int, 
     valid = targets != N_ID
     if dna_map is not None:
         inputs, targets = dna_map.cpu()[inputs], dna_map.cpu()[targets]
-    inputs, targets, valid = (cp_shard(t, *cp) for t in (inputs, targets, valid))
+    inputs, targets, valid = shard_batch(inputs, targets, valid, *cp)
     micro = len(windows) // options.grad_accum
     return [
         _Batch(
