@@ -19,7 +19,6 @@ loop calls). The context-parallel wrappers expect exactly this.
 
 from __future__ import annotations
 
-
 from genolong.errors import GenolongError
 
 
