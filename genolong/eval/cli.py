@@ -60,7 +60,7 @@ def eval_positional(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
     parallel: Annotated[
         Optional[str],
-        typer.Option(help="dp=N: split the windows over N processes started by torchrun (default under torchrun: dp = their number); rank 0 writes the outputs.", show_default=False),
+        typer.Option(help="dp=N,cp=M under torchrun: windows split over dp, each window's tokens over cp (default under torchrun: dp = the number of processes); rank 0 writes the outputs.", show_default=False),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
 ) -> None:
@@ -114,7 +114,7 @@ def eval_positional(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GenolongError(f"--device {device} but no CUDA GPU is visible; use --device cpu")
-    share, dev = _rank_share(parallel, dev)
+    share, dev, pmesh = _rank_share(parallel, dev)
     dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
     dtype_name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     if dtype_name not in dtypes:
@@ -146,7 +146,18 @@ def eval_positional(
         # As in training, MoE runs over the sequence in chunks: uneven real routing must not
         # spike memory at 512k (seed optimization 8). Recompute and offload only matter with a
         # backward pass, and there is none here.
+        if pmesh is not None and pmesh.size("cp") > 1:
+            # Before the memory pass, in the training passes' order (genolong/train/passes.py).
+            from genolong.parallel.context import apply_context_parallel
+
+            apply_context_parallel(model, pmesh)
         apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
+        if pmesh is not None and pmesh.size("cp") > 1:
+            from genolong.eval.context_scorer import ContextParallelScorer
+            from genolong.parallel.layout import ParallelLayout, required_multiple
+
+            granule = required_multiple(ParallelLayout(), model.config.dsa.indexer.kpool)
+            return ContextParallelScorer(model, models.token_map_array(resolved[role].spec), pmesh, granule=granule, device=dev, chunk_tokens=chunk)
         return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=chunk)
 
     settings = Settings(
@@ -179,7 +190,7 @@ def eval_positional(
             note=note,
             share=share,
         )
-    if share.world > 1:
+    if pmesh is not None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
@@ -188,29 +199,31 @@ def eval_positional(
 
 
 def _rank_share(parallel: str | None, dev):
-    """(this process's RankShare, its device): one process, or one of `--parallel dp=N` torchrun ranks."""
+    """(this process's RankShare, its device, the mesh or None): one process, or one of the
+    `--parallel dp=..,cp=..` torchrun ranks."""
     import torch
 
     from genolong.eval.run import RankShare
     from genolong.parallel.layout import ParallelLayout, parse_layout
-    from genolong.parallel.mesh import init_distributed, launched_world
+    from genolong.parallel.mesh import build_mesh, init_distributed, launched_world
 
     world = launched_world()
     layout = parse_layout(parallel) if parallel else ParallelLayout(dp=world[1] if world else 1)
-    if layout.cp > 1 or layout.tp > 1 or layout.ep > 1:
+    if layout.tp > 1 or layout.ep > 1:
         raise GenolongError(
-            f"eval-positional --parallel {layout}: only dp (windows split over processes) is supported yet; scoring one window "
-            "over cp, tp or ep ranks is not wired into eval-positional; use --parallel dp=N"
+            f"eval-positional --parallel {layout}: only dp (windows split over processes) and cp (each window split over "
+            "processes) are supported; scoring over tp or ep ranks is not wired into eval-positional; drop tp and ep"
         )
     started = world[1] if world else 1
-    if layout.dp != started:
+    if layout.world_size != started:
         raise GenolongError(
-            f"eval-positional --parallel dp={layout.dp} needs {layout.dp} processes but {started} were started; "
-            f"start them with `torchrun --standalone --nproc_per_node={layout.dp} -m genolong eval-positional ...`"
+            f"eval-positional --parallel {layout} needs {layout.world_size} processes but {started} were started; "
+            f"start them with `torchrun --standalone --nproc_per_node={layout.world_size} -m genolong eval-positional ...`"
         )
     if world is None:
-        return RankShare(), dev
+        return RankShare(), dev, None
     rank, size = init_distributed(dev.type)
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
-    return RankShare(rank, size), dev
+    pmesh = build_mesh(layout, dev.type)
+    return RankShare(pmesh.rank("dp"), pmesh.size("dp"), group=pmesh.group("dp"), writer=rank == 0), dev, pmesh

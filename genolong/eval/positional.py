@@ -169,18 +169,20 @@ class ModelScorer:
         """ids [B, T] (model token ids) -> fp32 loss in nats [B, T-1] of predicting ids[:, 1:]
         from the prefix before each; targets that are not A, C, G or T give 0 under DNA scoring."""
         ids = ids.to(self.device)
-        hidden = self.model.hidden_states(ids[:, :-1])
+        return self.target_losses(ids[:, :-1], ids[:, 1:]).float().cpu()
+
+    def target_losses(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """inputs, targets [B, T] (model token ids, targets shifted by one) -> loss [B, T] on the device."""
+        hidden = self.model.hidden_states(inputs)
         head = self.model.lm_head
         if self.loss_fn is not None:
-            loss = self.loss_fn(hidden, head.weight, ids[:, 1:], self.chunk_tokens)
-            return loss.float().cpu()
+            return self.loss_fn(hidden, head.weight, targets, self.chunk_tokens)
         base_ids = self.token_map[:N_SCORED].to(self.device)
         # Model token id -> DNA id 0-3 by comparison with the four base ids (no vocab-sized table).
-        match = ids[:, 1:, None] == base_ids
-        targets = torch.where(match.any(-1), match.int().argmax(-1), -1)
+        match = targets[..., None] == base_ids
+        dna_targets = torch.where(match.any(-1), match.int().argmax(-1), -1)
         bias = head.bias[base_ids] if getattr(head, "bias", None) is not None else None
-        loss = dna_token_loss(hidden, head.weight[base_ids], targets, self.chunk_tokens, bias)
-        return loss.float().cpu()
+        return dna_token_loss(hidden, head.weight[base_ids], dna_targets, self.chunk_tokens, bias)
 
 
 def shuffle_rng(tokens: np.ndarray) -> np.random.Generator:

@@ -62,15 +62,19 @@ class ModelSpec:
 @dataclass
 class RankShare:
     """This process's share of the windows when eval-positional runs on dp ranks (`--parallel dp=N`
-    under torchrun): window i of each model's to-do list is scored by rank i % world, the scores are
-    gathered to rank 0, and rank 0 alone appends to the partial file and writes the outputs."""
+    under torchrun): window i of each model's to-do list is scored by dp rank i % world, the scores
+    are gathered over the dp group, and global rank 0 alone appends to the partial file and writes
+    the outputs. With cp > 1 every cp rank of a dp rank scores the same window, each its shard
+    (genolong/eval/context_scorer.py); `group` is then this rank's dp group."""
 
     rank: int = 0
     world: int = 1
+    group: Any = None  # the dp process group (None: the whole world)
+    writer: bool | None = None  # global rank 0; None: dp rank 0 (no cp)
 
     @property
     def main(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 if self.writer is None else self.writer
 
     def gather(self, item: Any) -> list[Any]:
         if self.world == 1:
@@ -78,13 +82,13 @@ class RankShare:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, item)
+        dist.all_gather_object(out, item, group=self.group)
         return out
 
     def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
 
 
