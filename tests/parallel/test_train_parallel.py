@@ -139,6 +139,19 @@ def test_cp2_trains_the_indexer_as_one_process_does(data, tmp_path):
     assert math.isclose(second["indexer_loss"], single[1]["indexer_loss"], rel_tol=1e-2)
 
 
+@pytest.mark.slow  # four processes on two cores: ~45 s
+def test_ep2_cp2_with_the_indexer_trains_what_one_process_trains(data, tmp_path):
+    """Expert parallelism (a batch dimension: each ep rank its own sequence) with each sequence
+    split over cp, the indexer training too: one process's losses, norms and token counts."""
+    fields = {"seq_len": 128, "batch": 2, "steps": 2, "indexer_loss_coeff": 1.0}
+    single = train(_options(data, tmp_path / "single", **fields))
+    split = run_ranks(_train_rank, 4, _options(data, tmp_path / "epcp", parallel="ep=2,cp=2", **fields).to_dict())[0]
+    assert [r["tokens"] for r in split] == [256, 256] and [r["valid_tokens"] for r in split] == [r["valid_tokens"] for r in single]
+    assert _close([r["loss"] for r in split], [r["loss"] for r in single]), (split, single)
+    assert _close([r["grad_norm"] for r in split], [r["grad_norm"] for r in single], rtol=1e-5)
+    assert _close([r["indexer_loss"] for r in split], [r["indexer_loss"] for r in single], rtol=2e-3)
+
+
 def _gradient_sync(rank, world, bucket):
     import torch.distributed as dist
 
