@@ -14,9 +14,10 @@ a path (kernel compilation, pinned-buffer registration) is not counted. Checkpoi
 (only the steps are timed). Target: <= 3% step time at 128k and 512k (docs/parallel.md).
 
     source .device/activate.sh && python3 benchmarks/bench_parallel_overhead.py --data /tmp/bundled \
-        --lengths 128k --steps 3 --paths one-process,cp-pass --out $OUT/overhead   # glm53-mini: ~2.5 min on one H200
+        --lengths 128k --steps 3 --out $OUT/overhead      # glm53-mini, 3 paths: ~3 min on one H200
     ... --lengths 512k --steps 2 --paths one-process,cp-pass  # ~5.5 min (a 512k step is ~61 s, its first ~95 s)
-    (estimates from benchmarks/RESULTS.md's step times, kernels already compiled: a 128k step ~14.4 s, its first ~38 s)
+    (estimates from benchmarks/RESULTS.md's step times, kernels compiled (.kcache carried): a 128k
+    step ~13 s, a path's first ~30 s)
 
 CPU smoke test: python benchmarks/bench_parallel_overhead.py --data DIR --preset tiny --lengths 256 --steps 2 --out /tmp/o
 (on the CPU the run is gloo and the reference ops)

