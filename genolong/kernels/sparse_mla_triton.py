@@ -41,15 +41,18 @@ RANGED_ROWS = 16  # rows per program of the key-chunked backward
 
 @dataclass(frozen=True)
 class Config:
-    """Meta-parameters of one launch: heads per program, slots per step, warps, pipeline stages."""
+    """Meta-parameters of one launch: heads per program, slots per step, warps, pipeline stages,
+    and (the grouped kernels only) queries per program."""
 
     head_block: int
     block_n: int
     num_warps: int
     num_stages: int
+    query_group: int = 1
 
     def label(self) -> str:
-        return f"HB{self.head_block}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+        group = f"/QG{self.query_group}" if self.query_group > 1 else ""
+        return f"HB{self.head_block}{group}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}"
 
 
 def head_block(heads: int, limit: int = 64) -> int:
