@@ -85,15 +85,7 @@ def candidates(kind: str, heads: int, dim: int) -> list:
 
     hb = head_block(heads)
     if kind.endswith("_grouped"):
-        # Up to 16 heads: 16 // heads queries per program, 16 rows. More heads: one query, 32-head
-        # blocks (a 64-head forward program holding the fp32 state spills; so do 4 warps, and
-        # 32 heads x 32 slots in the backward).
-        ghb = min(16, 1 << max(0, heads - 1).bit_length()) if hb == 16 else 32
-        qg = 16 // ghb if hb == 16 else 1
-        if kind == "fwd_grouped":
-            found = [Config(ghb, 32, 8, 5, qg), Config(ghb, 64, 8, 5, qg)]
-        else:
-            found = [Config(ghb, 16, 8, 5, qg), Config(ghb, 32, 8, 5, qg)] if hb == 16 else [Config(32, 16, 8, 5)]
+        found = _grouped_candidates(kind, heads)
     elif kind.startswith("fwd"):
         found = [Config(16, 32, 8, 5), Config(16, 64, 8, 5), Config(16, 64, 8, 4)] if hb == 16 else [Config(hb, 32, 8, 5), Config(32, 32, 8, 5)]
     else:
@@ -101,6 +93,22 @@ def candidates(kind: str, heads: int, dim: int) -> list:
         found = [Config(16, 16, 8, 5), Config(16, 16, 4, 5), Config(16, 32, 8, 5)] if hb == 16 else [Config(32, 16, 8, 5)]
     found = list(dict.fromkeys(found))
     return found[:1] if dim < 512 else found
+
+
+def _grouped_candidates(kind: str, heads: int) -> list:
+    from genolong.kernels.sparse_mla_triton import Config
+
+    if heads > 16:
+        # One query, 32-head blocks: a 64-head forward program holding the fp32 state spills, and
+        # so does a 32-head backward program with 32 slots per step.
+        return [Config(32, 32, 8, 5), Config(32, 64, 8, 5)] if kind == "fwd_grouped" else [Config(32, 16, 8, 5)]
+    hb = min(16, 1 << max(0, heads - 1).bit_length())
+    qg = 16 // hb  # 16 rows, as v1's padded head block
+    if kind == "fwd_grouped":
+        # 8 warps: 152 registers, one program per SM; 4 warps: 216, two per SM.
+        return [Config(hb, 32, 8, 5, qg), Config(hb, 32, 4, 5, qg), Config(hb, 64, 8, 5, qg)]
+    # (4 warps spill in the backward.)
+    return [Config(hb, 16, 8, 5, qg), Config(hb, 32, 8, 5, qg)]
 
 
 _CHOSEN: dict[tuple, object] = {}
