@@ -105,10 +105,11 @@ def _grouped_candidates(kind: str, heads: int) -> list:
     hb = min(16, 1 << max(0, heads - 1).bit_length())
     qg = 16 // hb  # 16 rows, as v1's padded head block
     if kind == "fwd_grouped":
-        # 8 warps: 152 registers, one program per SM; 4 warps: 216, two per SM.
+        # 8 warps: <= 128 registers, two programs per SM; 4 warps: ~210, two per SM.
         return [Config(hb, 32, 8, 5, qg), Config(hb, 32, 4, 5, qg), Config(hb, 64, 8, 5, qg)]
-    # (4 warps spill in the backward.)
-    return [Config(hb, 16, 8, 5, qg), Config(hb, 32, 8, 5, qg)]
+    # 4 warps: <= 255 registers, two programs per SM (at 1-2 heads, 8-16 queries a program, it spills).
+    four_warps = [Config(hb, 16, 4, 5, qg)] if hb >= 4 else []
+    return [Config(hb, 16, 8, 5, qg), *four_warps, Config(hb, 32, 8, 5, qg)]
 
 
 _CHOSEN: dict[tuple, object] = {}
@@ -188,27 +189,36 @@ def _forward(q, kv, idx, scale, mode="query", key_chunk=2 * KEY_CHUNK, budget_by
     return out.view(q.shape), lse.view(batch, seq, heads)
 
 
+def _query_chunks(batch: int, seq: int, step: int, last: int | None = None):
+    """(batch element, first row, last row) of the query chunks of [B*T] rows: `step` rows at a
+    time within each batch element; with `last`, only one chunk: the last `last` rows."""
+    if last is not None:
+        r0 = batch * seq - min(batch * seq, last)
+        b = r0 // seq
+        return [(b, r0, min(batch * seq, (b + 1) * seq))]
+    return [(b, r0, min((b + 1) * seq, r0 + step)) for b in range(batch) for r0 in range(b * seq, (b + 1) * seq, step)]
+
+
 def _forward_grouped(q, kv, idx, scale, key_chunk, budget_bytes, config):
     from genolong.kernels import sparse_mla_grouped as grouped
 
     batch, seq, heads, dim = q.shape
     n_rows, width = batch * seq, idx.shape[-1]
-    rows, flat_idx, kv_rows = q.view(n_rows, heads, dim), idx.view(n_rows, width), kv.view(-1, dim)
+    rows, flat_idx = q.view(n_rows, heads, dim), idx.view(n_rows, width)
     out = _common.empty(rows.shape, dtype=q.dtype, device=q.device)
     lse = _common.empty(rows.shape[:2], dtype=torch.float32, device=q.device)
-    kw = dict(seq_q=seq, seq_kv=kv.shape[1], scale=scale, key_chunk=key_chunk)
 
-    def run(r0, r1, c):
-        grouped.forward(rows[r0:r1], kv_rows, flat_idx[r0:r1], out[r0:r1], lse[r0:r1], row0=r0, config=c, **kw)
+    def run(chunks, c):
+        for b, r0, r1 in chunks:
+            grouped.forward(rows[r0:r1], kv[b], flat_idx[r0:r1], out[r0:r1], lse[r0:r1], scale=scale, key_chunk=key_chunk, config=c)
 
     if config is None:
         # Trials on the last rows (the fullest selections); the passes below overwrite them.
-        r0 = _aligned(max(0, n_rows - TUNE_ROWS))
-        config, _ = pick("fwd_grouped", q, width, lambda c: run(r0, n_rows, c))
+        trial_rows = _query_chunks(batch, seq, 0, last=TUNE_ROWS)
+        config, _ = pick("fwd_grouped", q, width, lambda c: run(trial_rows, c))
     n_chunks = max(1, math.ceil(kv.shape[1] / key_chunk))
-    step = grouped.rows_per_chunk(width, heads, dim, n_chunks, config.query_group, budget_bytes, ROW_ALIGN)
-    for r0 in range(0, n_rows, step):
-        run(r0, min(n_rows, r0 + step), config)
+    run(_query_chunks(batch, seq, grouped.rows_per_chunk(width, heads, dim, n_chunks, config.query_group, budget_bytes, ROW_ALIGN)),
+        config)
     return out.view(q.shape), lse.view(batch, seq, heads)
 
 
@@ -240,7 +250,7 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
     kw = dict(seq_q=seq, seq_kv=seq_kv, scale=scale)
     n_chunks = max(1, math.ceil(seq_kv / key_chunk))
     if mode == "grouped":
-        _backward_grouped(rows, kv_rows, flat_idx, drows, flat_lse, dlt, dq, dkv, kw, key_chunk, n_chunks, budget_bytes,
+        _backward_grouped(q, kv, idx, dout, lse, dlt, dq, dkv.view(batch, seq_kv, dim), scale, key_chunk, budget_bytes,
                           config, add_dkv)
         return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
     one_pass = mode == "atomic" or n_chunks == 1
@@ -284,25 +294,25 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
     return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
 
 
-def _backward_grouped(rows, kv_rows, flat_idx, drows, flat_lse, dlt, dq, dkv, kw, key_chunk, n_chunks, budget_bytes,
-                      config, add_dkv):
+def _backward_grouped(q, kv, idx, dout, lse, dlt, dq, dkv, scale, key_chunk, budget_bytes, config, add_dkv):
     from genolong.kernels import sparse_mla_grouped as grouped
 
-    n_rows, heads, dim = rows.shape
-    width = flat_idx.shape[1]
+    batch, seq, heads, dim = q.shape
+    n_rows, width = batch * seq, idx.shape[-1]
+    rows, drows, flat_idx, flat_lse = q.view(n_rows, heads, dim), dout.view(n_rows, heads, dim), idx.view(n_rows, width), lse.view(n_rows, heads)
 
-    def run(r0, r1, c):
-        grouped.backward(rows[r0:r1], kv_rows, flat_idx[r0:r1], drows[r0:r1], flat_lse[r0:r1], dlt[r0:r1], dq[r0:r1],
-                         dkv, row0=r0, config=c, key_chunk=key_chunk, add_dkv=add_dkv, **kw)
+    def run(chunks, c):
+        for b, r0, r1 in chunks:
+            grouped.backward(rows[r0:r1], kv[b], flat_idx[r0:r1], drows[r0:r1], flat_lse[r0:r1], dlt[r0:r1], dq[r0:r1], dkv[b],
+                             scale=scale, key_chunk=key_chunk, config=c, add_dkv=add_dkv)
 
     if config is None:
-        r0 = _aligned(max(0, n_rows - TUNE_ROWS))
-        config, timed = pick("bwd_grouped", rows, width, lambda c: run(r0, n_rows, c))
+        config, timed = pick("bwd_grouped", q, width, lambda c: run(_query_chunks(batch, seq, 0, last=TUNE_ROWS), c))
         if timed:
             dkv.zero_()  # the trials added into it
-    step = grouped.rows_per_chunk(width, heads, dim, n_chunks, config.query_group, budget_bytes, ROW_ALIGN)
-    for r0 in range(0, n_rows, step):
-        run(r0, min(n_rows, r0 + step), config)
+    n_chunks = max(1, math.ceil(kv.shape[1] / key_chunk))
+    run(_query_chunks(batch, seq, grouped.rows_per_chunk(width, heads, dim, n_chunks, config.query_group, budget_bytes, ROW_ALIGN)),
+        config)
 
 
 class _SparseMLA(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """The grouped few-head sparse MLA passes: key chunk by key chunk, consecutive queries stacked.
 
 Host side of sparse_mla_grouped_triton.py (the design is in its docstring and docs/kernels.md).
-Per chunk of queries (sized from a byte budget):
+Per chunk of queries (sized from a byte budget, and within one batch element):
 
 1. pack: the selections of each group of `query_group` consecutive queries become one row of
    key * QG + (query within the group) (-1 for an empty slot or a key outside [0, S)), sorted, so
@@ -64,36 +64,36 @@ def rows_per_chunk(width: int, heads: int, dim: int, n_chunks: int, query_group:
     return max(align, rows // align * align)
 
 
-def forward(q, kv, idx, out, lse, *, row0: int, seq_q: int, seq_kv: int, scale: float, key_chunk: int, config) -> None:
-    """out [n,H,D] and lse [n,H] (natural log, -inf for a row without keys) of rows [row0, row0+n)."""
+def forward(q, kv, idx, out, lse, *, scale: float, key_chunk: int, config) -> None:
+    """out [n,H,D] and lse [n,H] (natural log, -inf for a row without keys) of n queries of one
+    batch element, whose keys are kv [S, D]."""
     from genolong.kernels import sparse_mla_grouped_triton as k
 
     n, heads, dim = q.shape
     if n == 0:
         return
-    packed, bounds = pack(idx, config.query_group, seq_kv, key_chunk)
+    packed, bounds = pack(idx, config.query_group, kv.shape[0], key_chunk)
     acc = torch.zeros((n, heads, dim), dtype=torch.float32, device=q.device)
     m = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros((n, heads), dtype=torch.float32, device=q.device)
     for chunk, groups in enumerate(group_spans(bounds)):
-        k.forward_chunk(q, kv, packed, bounds, acc, m, l, chunk=chunk, groups=groups, row0=row0, seq_q=seq_q,
-                        seq_kv=seq_kv, scale=scale, config=config)
+        k.forward_chunk(q, kv, packed, bounds, acc, m, l, chunk=chunk, groups=groups, scale=scale, config=config)
     # l >= 1 wherever a key was seen (the maximum's own term) and 0 (with acc 0) where none was.
     out.copy_(acc.div_(l.clamp(min=1.0)[..., None]))
     lse.copy_(torch.where(l > 0, (m + torch.log2(l.clamp(min=1.0))) * LN2, float("-inf")))
 
 
-def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_kv: int, scale: float, key_chunk: int,
-             config, add_dkv: bool = True) -> None:
-    """dq [n,H,D] (q's dtype, stored) and dkv (fp32 [B*S,D], added to) of rows [row0, row0+n)."""
+def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, scale: float, key_chunk: int, config, add_dkv: bool = True) -> None:
+    """dq [n,H,D] (q's dtype, stored) and dkv (fp32 [S,D], added to) of n queries of one batch
+    element, whose keys are kv [S, D]."""
     from genolong.kernels import sparse_mla_grouped_triton as k
 
     n, heads, dim = q.shape
     if n == 0:
         return
-    packed, bounds = pack(idx, config.query_group, seq_kv, key_chunk)
+    packed, bounds = pack(idx, config.query_group, kv.shape[0], key_chunk)
     dq32 = torch.zeros((n, heads, dim), dtype=torch.float32, device=q.device)
     for chunk, groups in enumerate(group_spans(bounds)):
-        k.backward_chunk(q, kv, packed, bounds, dout, lse, dlt, dq32, dkv, chunk=chunk, groups=groups, row0=row0,
-                         seq_q=seq_q, seq_kv=seq_kv, scale=scale, config=config, add_dkv=add_dkv)
+        k.backward_chunk(q, kv, packed, bounds, dout, lse, dlt, dq32, dkv, chunk=chunk, groups=groups, scale=scale,
+                         config=config, add_dkv=add_dkv)
     dq.copy_(dq32)

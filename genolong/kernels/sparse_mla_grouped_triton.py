@@ -16,7 +16,8 @@ The kernels behind genolong/kernels/sparse_mla_grouped.py. Two ideas, in both pa
   padding v1 already paid.
 
 Packed slots: key * QG + r for a valid key, -1 for an empty slot (the host maps anything outside
-[0, S) to -1 before packing). All row offsets are 64-bit. (The names say "sparse_mla" so that
+[0, S) to -1 before packing). A launch's queries belong to one batch element (the host splits
+query chunks there), so kv is that element's rows. All row offsets are 64-bit. (The names say "sparse_mla" so that
 profiles attribute them.)
 """
 
@@ -41,17 +42,13 @@ def _stacked_rows(grp, hb, n_rows, H, QG: tl.constexpr, HB: tl.constexpr):
 
 
 @triton.jit
-def _slots(pidx_ptr, grp, start, hi, row0, seq_q, seq_kv, width_g, D: tl.constexpr, BN: tl.constexpr,
-           LOG2_QG: tl.constexpr):
-    """One block of the group's packed slots: (query within the group, key, valid, row offset of the key in kv)."""
+def _slots(pidx_ptr, grp, start, hi, seq_kv, width_g, D: tl.constexpr, BN: tl.constexpr, LOG2_QG: tl.constexpr):
+    """One block of the group's packed slots: (query within the group, valid, the key's offset in kv)."""
     slot = start + tl.arange(0, BN)
     packed = tl.load(pidx_ptr + grp * width_g + slot, mask=slot < hi, other=-1)
-    valid = packed >= 0
-    key = (packed >> LOG2_QG).to(tl.int64)
-    r = packed & ((1 << LOG2_QG) - 1)
-    valid = valid & (key < seq_kv)
-    batch = (row0 + grp * (1 << LOG2_QG) + r) // seq_q
-    return r, key, valid, (batch * seq_kv + key) * D
+    key = packed >> LOG2_QG
+    valid = (packed >= 0) & (key < seq_kv)
+    return packed & ((1 << LOG2_QG) - 1), valid, key.to(tl.int64) * D
 
 
 @triton.jit
@@ -63,9 +60,9 @@ def _own(r_i, r, valid, QG: tl.constexpr):
     return (r_i[:, None] == r[None, :]) & valid[None, :]
 
 
-@triton.jit(do_not_specialize=["row0", "n_rows", "seq_q", "seq_kv", "width_g", "n_bounds", "chunk", "group0", "H"])
+@triton.jit(do_not_specialize=["n_rows", "seq_kv", "width_g", "n_bounds", "chunk", "group0", "H"])
 def _sparse_mla_fwd_grouped_kernel(q_ptr, kv_ptr, pidx_ptr, bounds_ptr, acc_ptr, m_ptr, l_ptr,
-                                   row0, n_rows, seq_q, seq_kv, width_g, n_bounds, chunk, group0, scale_log2, H,
+                                   n_rows, seq_kv, width_g, n_bounds, chunk, group0, scale_log2, H,
                                    HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
                                    QG: tl.constexpr, LOG2_QG: tl.constexpr, PREC: tl.constexpr):
     # The online softmax continues from the state the earlier chunks left (m in the log2 domain).
@@ -84,7 +81,7 @@ def _sparse_mla_fwd_grouped_kernel(q_ptr, kv_ptr, pidx_ptr, bounds_ptr, acc_ptr,
         # A row's first chunk finds no state (m = -inf): its acc (zeros) is not read.
         acc = tl.load(acc_ptr + at, mask=(live & (m > float("-inf")))[:, None], other=0.0)
         for start in range(lo, hi, BN):
-            r, key, valid, kv_at = _slots(pidx_ptr, grp, start, hi, row0, seq_q, seq_kv, width_g, D, BN, LOG2_QG)
+            r, valid, kv_at = _slots(pidx_ptr, grp, start, hi, seq_kv, width_g, D, BN, LOG2_QG)
             k = tl.load(kv_ptr + kv_at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
             s = tl.where(_own(r_i, r, valid, QG), s, float("-inf"))
@@ -101,9 +98,9 @@ def _sparse_mla_fwd_grouped_kernel(q_ptr, kv_ptr, pidx_ptr, bounds_ptr, acc_ptr,
         tl.store(l_ptr + row * H + head, l, mask=live)
 
 
-@triton.jit(do_not_specialize=["row0", "n_rows", "seq_q", "seq_kv", "width_g", "n_bounds", "chunk", "group0", "H"])
+@triton.jit(do_not_specialize=["n_rows", "seq_kv", "width_g", "n_bounds", "chunk", "group0", "H"])
 def _sparse_mla_bwd_grouped_kernel(q_ptr, kv_ptr, pidx_ptr, bounds_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
-                                   row0, n_rows, seq_q, seq_kv, width_g, n_bounds, chunk, group0, scale, scale_log2, H,
+                                   n_rows, seq_kv, width_g, n_bounds, chunk, group0, scale, scale_log2, H,
                                    HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
                                    QG: tl.constexpr, LOG2_QG: tl.constexpr, ADD_DKV: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
@@ -121,7 +118,7 @@ def _sparse_mla_bwd_grouped_kernel(q_ptr, kv_ptr, pidx_ptr, bounds_ptr, do_ptr, 
         delta = tl.load(delta_ptr + row * H + head, mask=live, other=0.0)
         dq = tl.zeros([QG * HB, D], tl.float32)
         for start in range(lo, hi, BN):
-            r, key, valid, kv_at = _slots(pidx_ptr, grp, start, hi, row0, seq_q, seq_kv, width_g, D, BN, LOG2_QG)
+            r, valid, kv_at = _slots(pidx_ptr, grp, start, hi, seq_kv, width_g, D, BN, LOG2_QG)
             k = tl.load(kv_ptr + kv_at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
             # Only (live row, its own query's valid slot) pairs get a probability; an empty row's
@@ -141,8 +138,9 @@ def _sparse_mla_bwd_grouped_kernel(q_ptr, kv_ptr, pidx_ptr, bounds_ptr, do_ptr, 
 
 
 # ----------------------------------------------------------------------------- launchers
-# Per-row tensors (q, dO [R, H, D], lse/Delta [R, H], the fp32 state and dq) start at the launch's
-# first row; kv and dkv [B*S, D] are whole; packed [G, QG*W] and bounds [G, C+1] int32 per group.
+# A launch's rows are queries of one batch element: per-row tensors (q, dO [R, H, D], lse/Delta
+# [R, H], the fp32 state and dq) start at its first row, kv and dkv [S, D] are that element's,
+# packed [G, QG*W] and bounds [G, C+1] int32 per group.
 
 
 def _log2(n: int) -> int:
@@ -151,8 +149,8 @@ def _log2(n: int) -> int:
     return n.bit_length() - 1
 
 
-def forward_chunk(q, kv, packed, bounds, acc, m, l, *, chunk: int, groups: tuple[int, int], row0: int, seq_q: int,
-                  seq_kv: int, scale: float, config: Config) -> None:
+def forward_chunk(q, kv, packed, bounds, acc, m, l, *, chunk: int, groups: tuple[int, int], scale: float,
+                  config: Config) -> None:
     """Fold key chunk `chunk` into the online-softmax state (acc [R,H,D], m, l [R,H] fp32) of the groups [g0, g1)."""
     rows, heads, dim = q.shape
     n_hb = triton.cdiv(heads, config.head_block)
@@ -160,15 +158,15 @@ def forward_chunk(q, kv, packed, bounds, acc, m, l, *, chunk: int, groups: tuple
     if g1 <= g0:
         return
     _sparse_mla_fwd_grouped_kernel[((g1 - g0) * n_hb,)](
-        q, kv, packed, bounds, acc, m, l, row0, rows, seq_q, seq_kv, packed.shape[1], bounds.shape[1], chunk, g0,
+        q, kv, packed, bounds, acc, m, l, rows, kv.shape[0], packed.shape[1], bounds.shape[1], chunk, g0,
         scale * LOG2E, heads, HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, QG=config.query_group,
         LOG2_QG=_log2(config.query_group), PREC=dot_precision(q.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages)
 
 
-def backward_chunk(q, kv, packed, bounds, dout, lse, dlt, dq, dkv, *, chunk: int, groups: tuple[int, int], row0: int,
-                   seq_q: int, seq_kv: int, scale: float, config: Config, add_dkv: bool = True) -> None:
-    """Add key chunk `chunk`'s share of dq (fp32 [R,H,D], scaled) and dkv (fp32 [B*S,D]) for the groups [g0, g1).
+def backward_chunk(q, kv, packed, bounds, dout, lse, dlt, dq, dkv, *, chunk: int, groups: tuple[int, int], scale: float,
+                   config: Config, add_dkv: bool = True) -> None:
+    """Add key chunk `chunk`'s share of dq (fp32 [R,H,D], scaled) and dkv (fp32 [S,D]) for the groups [g0, g1).
 
     add_dkv=False skips the dkv products and adds (wrong gradients: for the benchmark's probe of
     what the adds cost)."""
@@ -178,8 +176,7 @@ def backward_chunk(q, kv, packed, bounds, dout, lse, dlt, dq, dkv, *, chunk: int
     if g1 <= g0:
         return
     _sparse_mla_bwd_grouped_kernel[((g1 - g0) * n_hb,)](
-        q, kv, packed, bounds, dout, lse, dlt, dq, dkv, row0, rows, seq_q, seq_kv, packed.shape[1], bounds.shape[1],
-        chunk, g0, scale, scale * LOG2E, heads, HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
+        q, kv, packed, bounds, dout, lse, dlt, dq, dkv, rows, kv.shape[0], packed.shape[1], bounds.shape[1], chunk, g0, scale, scale * LOG2E, heads, HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
         QG=config.query_group, LOG2_QG=_log2(config.query_group), ADD_DKV=add_dkv, PREC=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -192,8 +189,7 @@ def aot_compile(kind: str, heads: int, dim: int, config: Config, *, arch: int = 
     n_hb = triton.cdiv(heads, config.head_block)
     meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, QG=config.query_group,
                 LOG2_QG=_log2(config.query_group), PREC="tf32")
-    ints = {"row0": "i32", "n_rows": "i32", "seq_q": "i32", "seq_kv": "i32", "width_g": "i32", "n_bounds": "i32",
-            "chunk": "i32", "group0": "i32"}
+    ints = {"n_rows": "i32", "seq_kv": "i32", "width_g": "i32", "n_bounds": "i32", "chunk": "i32", "group0": "i32"}
     if kind == "fwd":
         fn = _sparse_mla_fwd_grouped_kernel
         sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "pidx_ptr": "*i32", "bounds_ptr": "*i32", "acc_ptr": "*fp32",

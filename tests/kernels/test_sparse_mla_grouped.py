@@ -48,6 +48,15 @@ def test_group_spans_cover_the_first_to_the_last_busy_group():
     assert grouped.group_spans(bounds) == [(1, 4), (2, 3), (0, 0)]
 
 
+def test_query_chunks_stay_inside_a_batch_element():
+    chunks = sparse_mla._query_chunks(3, 41, 16)
+    assert [r for _, r0, r1 in chunks for r in range(r0, r1)] == list(range(3 * 41))  # every row once, in order
+    assert all(b * 41 <= r0 < r1 <= (b + 1) * 41 and r1 - r0 <= 16 for b, r0, r1 in chunks)
+    assert sparse_mla._query_chunks(3, 41, 16, last=20) == [(2, 103, 123)]
+    assert sparse_mla._query_chunks(3, 41, 16, last=60) == [(1, 63, 82)]  # the trial rows: one batch element's
+    assert sparse_mla._query_chunks(1, 8, 16, last=100) == [(0, 0, 8)]
+
+
 def test_query_chunks_follow_the_budget():
     # 512k tokens, 16 heads, W = 2051, forward key chunks of 16k: one query chunk's packing and fp32
     # state fit 1 GiB and it is still thousands of rows (few launches per key chunk).

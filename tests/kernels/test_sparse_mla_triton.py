@@ -43,7 +43,7 @@ CASES = {
     "fp16 pools, 16 heads x 512, atomic": dict(batch=1, seq=96, heads=16, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="atomic"),
     "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8),
     # The grouped passes: queries stacked per program (16 // heads of them), one launch per key chunk.
-    "fp32 grouped, 3 heads (4 queries a program), 2 batches of 41 (a group across the edge), key chunks of 16, query chunks of 16":
+    "fp32 grouped, 3 heads (4 queries a program), 2 batches of 41 (partial groups at each end), key chunks of 16, query chunks of 16":
         dict(batch=2, seq=41, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="grouped", fwd_mode="grouped",
              key_chunk=16, small_query_chunks=True),
     "fp32 grouped forward, atomic dkv, kv longer than q (CP), 5 heads (2 queries of 8 rows)":
