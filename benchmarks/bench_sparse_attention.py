@@ -196,7 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("runs/sparse"))
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting cells after this many seconds")
-    ap.add_argument("--impls", default="triton-keychunk,triton-atomic,megatron,sdpa")
+    ap.add_argument("--impls", default="triton-grouped,triton-keychunk,triton-atomic,megatron,sdpa")
     ap.add_argument("--plan", default="", help="size:heads,... instead of the default plan")
     ap.add_argument("--cells", default="", help="size:heads:impl,... in priority order (instead of plan x impls)")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a named list of cells and parity modes")
