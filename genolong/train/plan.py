@@ -21,6 +21,11 @@ context and allocator fragmentation are covered by `preflight`'s margin, not by 
 `n_gpus > 1` is planned as context parallelism (each GPU holds seq_len / n_gpus tokens of
 activations and offloads) with weights, gradients and optimizer state sharded n_gpus ways
 (FSDP-style); the parallel issue will implement exactly that.
+
+A CPU run (`estimate_cpu_memory`) keeps all of it in host RAM, in the run's dtype (fp32 by
+default: the parameters are their own master copy); offload would copy layer inputs into the
+same RAM, so the CPU plan counts them as kept. `shortfall` names the resource that is short
+(GPU memory, pinned host memory or CPU RAM) and the changes that would make the run fit.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ KDA_CHUNK = 64
 GPU_USABLE = 0.92
 HOST_USABLE = 0.80
 GPUS_PER_HOST = 8
+# A CPU run uses the PyTorch reference ops, which keep and allocate more than the fused kernels
+# the per-item counts describe: peak RSS growth of a tiny-preset training step on the CPU was
+# 1.8-3.7x the activation items (4k and 8k tokens, with and without recompute, after the fast
+# CPU reference ops; 2026-12-01, benchmarks/cpu_memory_plan.py). The CPU plan adds the difference
+# as its own item, with a little room.
+CPU_REFERENCE_FACTOR = 4.0
 
 
 @dataclass
@@ -65,6 +76,7 @@ class MemoryEstimate:
     gpu_bytes: int  # the GPU's usable budget
     host_bytes: int  # the host's usable budget per GPU
     opts: MemoryOptions = field(repr=False, default_factory=MemoryOptions)
+    device: str = "cuda"  # "cpu": `gpu` holds the CPU run's RAM items and `gpu_bytes` the RAM budget
 
     @property
     def gpu_total(self) -> int:
@@ -86,6 +98,16 @@ class MemoryEstimate:
     def fits(self) -> bool:
         return self.fits_gpu and self.fits_host
 
+    @property
+    def short(self) -> list[str]:
+        """The resources that are short, in words: GPU memory, pinned host memory, CPU RAM."""
+        if self.device == "cpu":
+            return [] if self.fits_gpu else ["CPU RAM"]
+        out = [] if self.fits_gpu else ["GPU memory"]
+        if not self.fits_host:
+            out.append("pinned host memory" if self.opts.offload_pinned else "host memory")
+        return out
+
     def as_dict(self) -> dict:
         return {
             "seq_len": self.seq_len,
@@ -98,6 +120,7 @@ class MemoryEstimate:
             "host_total": self.host_total,
             "gpu_bytes": self.gpu_bytes,
             "host_bytes": self.host_bytes,
+            "device": self.device,
         }
 
 
@@ -377,6 +400,34 @@ def estimate_memory(
     )
 
 
+def estimate_cpu_memory(
+    model_config: ModelConfig,
+    seq_len: int,
+    opts: MemoryOptions | None = None,
+    *,
+    batch: int = 1,
+    dtype_bytes: int = FP32,
+    ram_bytes: int | None = None,
+) -> MemoryEstimate:
+    """A CPU run's RAM, itemised like a GPU's (in `gpu`), against `opts.host_budget_gib` or
+    HOST_USABLE of the machine's RAM (`ram_bytes`, default this machine's)."""
+    opts = opts or MemoryOptions()
+    opts.validate()
+    if opts.host_budget_gib is not None:
+        budget = int(opts.host_budget_gib * GIB)
+    else:
+        budget = int((ram_bytes if ram_bytes is not None else _physical_ram()) * HOST_USABLE)
+    # Offload copies into the same RAM: plan the inputs as kept, against the RAM budget.
+    kept = MemoryOptions.from_dict({**opts.to_dict(), "offload": False, "offload_layers": None, "gpu_budget_gib": budget / GIB})
+    est = estimate_memory(model_config, seq_len, kept, 1, budget, batch=batch, dtype_bytes=dtype_bytes, host_bytes=budget)
+    static = sum(static_bytes(model_config, dtype_bytes).values())
+    est.gpu["reference ops (CPU)"] = int((CPU_REFERENCE_FACTOR - 1) * (est.gpu_total - static))
+    est.device = "cpu"
+    est.host = {}
+    est.opts = opts
+    return est
+
+
 def recompute_peak(stream_bytes: int, working: list[int], offloaded: int, overlap: bool = True) -> tuple[int, int, int]:
     """(stored inputs, uploaded inputs, layer) at the backward peak under full recompute.
 
@@ -460,28 +511,6 @@ def _loss_head(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int) ->
 # ----------------------------------------------------------------------------------- preflight
 
 
-def fixes_for(config: ModelConfig, seq_len: int, opts: MemoryOptions, n_gpus: int, gpu_bytes: int, **kw) -> list[str]:
-    """The flag changes (one at a time, then together) under which this run would fit."""
-    candidates = [
-        ("--recompute", dict(recompute=True)),
-        ("--recompute --offload", dict(recompute=True, offload=True, offload_layers=None)),
-        ("--moe-chunking", dict(moe_chunking=True)),
-        ("--chunked-loss", dict(chunked_loss=True)),
-    ]
-    found = []
-    for flag, change in candidates:
-        if all(getattr(opts, k) == val for k, val in change.items() if k != "offload_layers"):
-            continue
-        trial = MemoryOptions.from_dict({**opts.to_dict(), **change})
-        if estimate_memory(config, seq_len, trial, n_gpus, gpu_bytes, **kw).fits:
-            found.append(flag)
-    if not found:
-        full = MemoryOptions.from_dict({**opts.to_dict(), "recompute": True, "offload": True, "offload_layers": None, "moe_chunking": True, "chunked_loss": True})
-        if estimate_memory(config, seq_len, full, n_gpus, gpu_bytes, **kw).fits:
-            found.append("the full memory stack (drop --baseline / every --no-* flag)")
-    return found
-
-
 def preflight(
     model_config: ModelConfig,
     seq_len: int,
@@ -490,28 +519,131 @@ def preflight(
     gpu_bytes: int | None = None,
     **kw,
 ) -> MemoryEstimate:
-    """Raise GenolongError (numbers + the flags that would fit) if the step cannot fit; else the estimate."""
+    """Raise GenolongError (numbers, the resource that is short, what would fit) if the step cannot fit; else the estimate."""
     if gpu_bytes is None:
         gpu_bytes = _device_bytes()
     est = estimate_memory(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)
-    if est.fits:
-        return est
-    where = []
-    if not est.fits_gpu:
-        where.append(f"GPU {_gib(est.gpu_total)} > {_gib(est.gpu_bytes)} usable")
-    if not est.fits_host:
-        where.append(f"pinned host {_gib(est.host_total)} > {_gib(est.host_bytes)} usable per GPU")
+    if not est.fits:
+        raise GenolongError(_refusal(model_config, est, shortfall(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)))
+    return est
+
+
+def preflight_cpu(model_config: ModelConfig, seq_len: int, opts: MemoryOptions, *, batch: int = 1, dtype_bytes: int = FP32, ram_bytes: int | None = None) -> MemoryEstimate:
+    """The CPU run's pre-flight: refuse before allocating when the plan exceeds the RAM budget."""
+    est = estimate_cpu_memory(model_config, seq_len, opts, batch=batch, dtype_bytes=dtype_bytes, ram_bytes=ram_bytes)
+    if not est.fits:
+        fixes = shortfall(model_config, seq_len, opts, 1, est.gpu_bytes, device="cpu", batch=batch, dtype_bytes=dtype_bytes, ram_bytes=ram_bytes)
+        raise GenolongError(_refusal(model_config, est, fixes))
+    return est
+
+
+def _refusal(config: ModelConfig, est: MemoryEstimate, fixes: list[str]) -> str:
     top = sorted(est.gpu.items(), key=lambda kv: -kv[1])[:3]
     detail = ", ".join(f"{k} {_gib(v)}" for k, v in top)
-    fixes = fixes_for(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)
-    if fixes:
-        fix = "it would fit with " + " or ".join(fixes)
-    else:
-        fix = f"no memory flag makes it fit on {n_gpus} GPU(s): shorten --seq or use more GPUs (--gpus)"
-    raise GenolongError(
-        f"{model_config.name} at {format_length(seq_len)} tokens does not fit: {'; '.join(where)} "
-        f"(largest: {detail}, {est.offload_layers} layers offloaded); {fix}; see `genolong plan`"
+    offloaded = f", {est.offload_layers} layers offloaded" if est.device != "cpu" else ""
+    fix = ("it would fit with " + "; or ".join(fixes)) if fixes else "nothing short of a smaller model makes it fit"
+    return (
+        f"{config.name} at {format_length(est.seq_len)} tokens does not fit: {_where(est)} (largest: {detail}{offloaded}); "
+        f"{fix}; see `genolong plan`"
     )
+
+
+def _where(est: MemoryEstimate) -> str:
+    """The resources that are short, with their numbers."""
+    parts = []
+    if est.device == "cpu":
+        parts.append(f"CPU RAM short: {_gib(est.gpu_total)} > {_gib(est.gpu_bytes)} usable")
+    else:
+        if not est.fits_gpu:
+            parts.append(f"GPU memory short: {_gib(est.gpu_total)} > {_gib(est.gpu_bytes)} usable per GPU")
+        if not est.fits_host:
+            kind = "pinned host memory" if est.opts.offload_pinned else "host memory"
+            parts.append(f"{kind} short: {_gib(est.host_total)} > {_gib(est.host_bytes)} usable per GPU")
+    return "; ".join(parts)
+
+
+def shortfall(
+    config: ModelConfig,
+    seq_len: int,
+    opts: MemoryOptions,
+    n_gpus: int,
+    gpu_bytes: int,
+    *,
+    device: str = "cuda",
+    batch: int = 1,
+    dtype_bytes: int | None = None,
+    host_bytes: int | None = None,
+    ram_bytes: int | None = None,
+) -> list[str]:
+    """The changes under which a run that does not fit would fit, aimed at the resource that is short:
+    memory flags, fewer offloaded layers, more host RAM, more GPUs, a shorter --seq."""
+    if device == "cpu":
+        a = FP32 if dtype_bytes is None else dtype_bytes
+
+        def trial(seq=seq_len, o=opts):
+            return estimate_cpu_memory(config, seq, o, batch=batch, dtype_bytes=a, ram_bytes=ram_bytes)
+    else:
+        a = 2 if dtype_bytes is None else dtype_bytes
+
+        def trial(seq=seq_len, o=opts, gpus=n_gpus):
+            return estimate_memory(config, seq, o, gpus, gpu_bytes, batch=batch, dtype_bytes=a, host_bytes=host_bytes)
+
+    est = trial()
+    if est.fits:
+        return []
+    found = _flag_fixes(opts, lambda o: trial(o=o).fits)
+    if device == "cpu":
+        found.append(f"more RAM: {_gib(est.gpu_total / HOST_USABLE)} installed, or --host-budget-gib {math.ceil(est.gpu_total / GIB)}")
+    else:
+        found += _offload_fixes(est, trial, opts)
+        need = math.ceil(est.host_total / GIB)
+        if not est.fits_host and trial(o=MemoryOptions.from_dict({**opts.to_dict(), "host_budget_gib": need})).fits:
+            node = min(n_gpus, GPUS_PER_HOST)
+            found.append(f"more host RAM: --host-budget-gib {need} per GPU (a node of {node} GPU(s) with {_gib(need * GIB * node / HOST_USABLE)} of RAM)")
+        gpus = next((g for g in (2**k for k in range(1, 11)) if g > n_gpus and trial(gpus=g).fits), None)
+        if gpus is not None:
+            found.append(f"more GPUs: --gpus {gpus} (context parallel, a plan: genolong trains on one GPU today)")
+    seq = seq_len // 2
+    while seq >= 1024 and not trial(seq=seq).fits:
+        seq //= 2
+    if seq >= 1024:
+        found.append(f"a shorter sequence: --seq {format_length(seq)}")
+    elif device == "cpu":
+        found.append("a smaller model (--preset tiny)")  # the weights and optimizer state alone are too much
+    return found
+
+
+def _flag_fixes(opts: MemoryOptions, fits) -> list[str]:
+    """The memory switches that are off and would make the run fit one at a time, else all together."""
+    candidates = [
+        ("--recompute", dict(recompute=True)),
+        ("--recompute --offload", dict(recompute=True, offload=True, offload_layers=None)),
+        ("--moe-chunking", dict(moe_chunking=True)),
+        ("--chunked-loss", dict(chunked_loss=True)),
+    ]
+    changed = lambda change: MemoryOptions.from_dict({**opts.to_dict(), **change})  # noqa: E731
+    off = [(flag, change) for flag, change in candidates if not all(getattr(opts, k) == v for k, v in change.items() if k != "offload_layers")]
+    found = [flag for flag, change in off if fits(changed(change))]
+    full = dict(recompute=True, offload=True, offload_layers=None, moe_chunking=True, chunked_loss=True)
+    if not found and len(off) > 1 and fits(changed(full)):
+        found.append("the full memory stack (drop --baseline / every --no-* flag)")
+    return found
+
+
+def _offload_fixes(est: MemoryEstimate, trial, opts: MemoryOptions) -> list[str]:
+    """A fixed --offload-layers that is wrong for this run: the count that fits both GPU and host."""
+    if not (opts.offload and opts.recompute and opts.offload_layers is not None):
+        return []
+    auto = trial(o=MemoryOptions.from_dict({**opts.to_dict(), "offload_layers": None}))
+    if auto.fits and auto.offload_layers != opts.offload_layers:
+        fewer = "fewer" if auto.offload_layers < opts.offload_layers else "more"
+        return [f"{fewer} offloaded layers: --offload-layers {auto.offload_layers} (or leave it unset)"]
+    return []
+
+
+def fixes_for(config: ModelConfig, seq_len: int, opts: MemoryOptions, n_gpus: int, gpu_bytes: int, **kw) -> list[str]:
+    """The memory flags alone (one at a time, else together) under which this run would fit."""
+    return _flag_fixes(opts, lambda o: estimate_memory(config, seq_len, o, n_gpus, gpu_bytes, **kw).fits)
 
 
 def _device_bytes() -> int:
