@@ -35,9 +35,8 @@ def pack(idx: torch.Tensor, query_group: int, seq_kv: int, key_chunk: int) -> tu
     if groups * query_group != n:
         idx = torch.cat([idx, idx.new_full((groups * query_group - n, width), -1)])
     member = (torch.arange(groups * query_group, device=idx.device, dtype=torch.int32) % query_group)[:, None]
-    valid = (idx >= 0) & (idx < seq_kv)
-    packed = torch.where(valid, idx.clamp(min=0) * query_group + member, -1).view(groups, query_group * width)
-    packed = torch.sort(packed, dim=-1).values
+    packed = torch.where((idx >= 0) & (idx < seq_kv), idx.clamp(min=0) * query_group + member, -1)
+    packed = torch.sort(packed.view(groups, query_group * width), dim=-1).values
     edges = torch.arange(n_chunks + 1, device=idx.device, dtype=torch.int32) * (key_chunk * query_group)
     bounds = torch.searchsorted(packed, edges.expand(groups, -1).contiguous(), out_int32=True)
     return packed, bounds
@@ -55,8 +54,8 @@ def group_spans(bounds: torch.Tensor) -> list[tuple[int, int]]:
 
 def row_bytes(width: int, heads: int, dim: int, n_chunks: int, query_group: int) -> int:
     """Transient bytes per query of a query chunk: packing and sorting (the packed row, its sorted
-    copy, the sort's int64 positions, the mask), the bounds, and the fp32 state or dq."""
-    return width * 21 + (n_chunks + 1) * 8 // query_group + 8 + heads * (dim + 2) * 4
+    copy, the sort's int64 positions and its own double buffers), the bounds, and the fp32 state or dq."""
+    return width * 32 + (n_chunks + 1) * 8 // query_group + 8 + heads * (dim + 2) * 4
 
 
 def rows_per_chunk(width: int, heads: int, dim: int, n_chunks: int, query_group: int, budget_bytes: int, align: int) -> int:

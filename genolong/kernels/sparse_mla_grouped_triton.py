@@ -17,8 +17,8 @@ The kernels behind genolong/kernels/sparse_mla_grouped.py. Two ideas, in both pa
 
 Packed slots: key * QG + r for a valid key, -1 for an empty slot (the host maps anything outside
 [0, S) to -1 before packing). A launch's queries belong to one batch element (the host splits
-query chunks there), so kv is that element's rows. All row offsets are 64-bit. (The names say "sparse_mla" so that
-profiles attribute them.)
+query chunks there), so kv is that element's rows. All row offsets are 64-bit. (The names say
+"sparse_mla" so that profiles attribute them.)
 """
 
 from __future__ import annotations

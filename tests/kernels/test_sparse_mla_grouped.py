@@ -63,7 +63,7 @@ def test_query_chunks_follow_the_budget():
     n_chunks = (1 << 19) // (2 * sparse_mla.KEY_CHUNK)
     rows = grouped.rows_per_chunk(2051, 16, 512, n_chunks, 1, sparse_mla.QUERY_BUDGET_BYTES, sparse_mla.ROW_ALIGN)
     assert rows % sparse_mla.ROW_ALIGN == 0 and 8000 <= rows
-    assert rows * (2051 * 21 + 16 * 514 * 4) <= sparse_mla.QUERY_BUDGET_BYTES
+    assert rows * (2051 * 32 + 16 * 514 * 4) <= sparse_mla.QUERY_BUDGET_BYTES
 
 
 def test_grouped_candidates_stack_queries_into_16_rows():
@@ -86,8 +86,7 @@ def test_bad_forward_mode_is_a_one_line_error(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.slow  # six sm_90 builds: ~30 s of CPU
-@pytest.mark.parametrize("heads", [4, 64])
+@pytest.mark.parametrize("heads", [4, 64])  # ten sm_90 builds: ~10 s of CPU
 def test_grouped_kernels_compile_for_sm90_without_spills(heads):
     from genolong.kernels import sparse_mla_grouped_triton as k
     from tests.kernels.test_sparse_mla_triton import _ptxas_report
