@@ -35,7 +35,8 @@ from bench_kernels import SIZES, baseline_indexer, measure  # noqa: E402
 from genolong.kernels import indexer_topk, indexer_triton  # noqa: E402
 from genolong.model import get_preset  # noqa: E402
 
-TILES = [(64, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2), (64, 128, 4, 4)]
+# Pass 1 v2 tiles (BM, BN, warps, stages), the default first; each fits sm_90's shared memory.
+TILES = indexer_triton.PASS1_TILES
 
 
 def chunks(q, keys, *, kpool, topk_pools, group, v2):

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from genolong.kernels import aot
 from genolong.model.ops import KernelUnsupported
 
 BM, BN, N_INNER = 64, 64, 16
@@ -162,32 +163,32 @@ def candidate_scores(q, keys, w, t, gidx, gval, *, kpool: int, scale: float, gro
 
 
 def aot_compile(heads: int, dim: int, kpool: int, group: int, arch: int = 90) -> dict:
-    """Compile both passes for a GPU architecture without a GPU (the CPU compile check): {name: kernel}."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", arch, 32)
-    ints = ("stride_qt", "stride_qh", "stride_kp", "stride_wt")
+    """Both passes built for a GPU architecture without a GPU, specialised as the JIT specialises
+    their launches (genolong.kernels.aot; lengths taken as multiples of 16): {name: kernel}."""
     hp = _heads_padded(heads, 1)
-    sig1 = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32", "t0": "i32",
-            "n_pools": "i32", "n_groups": "i32", "scale": "fp32", **dict.fromkeys(ints, "i32"), "stride_ot": "i32"}
+    strides = dict(stride_qt=heads * dim, stride_qh=dim, stride_kp=dim, stride_wt=heads)
+    args1 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", n_rows="i32", t0="i32", n_pools="i32",
+                 n_groups="i32", scale="fp32", **strides, stride_ot="i32")
     const1 = dict(KPOOL=kpool, H=heads, HP=hp, D=dim, BM=block_queries(hp), BN=BN, G=group, N_INNER=N_INNER)
-    sig2 = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "gidx_ptr": "*i64", "gval_ptr": "*fp32", "out_ptr": "*fp32",
-            "t0": "i32", "n_pools": "i32", "n_cand": "i32", "scale": "fp32", **dict.fromkeys(ints, "i32"),
-            "stride_gt": "i32", "stride_ot": "i32"}
+    args2 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", gidx_ptr="*i64", gval_ptr="*fp32", out_ptr="*fp32", t0="i32",
+                 n_pools="i32", n_cand="i32", scale="fp32", **strides, stride_gt="i32", stride_ot="i32")
     const2 = dict(KPOOL=kpool, H=heads, HP=_heads_padded(heads, 16), D=dim, G=group, BC=BC, N_BLOCKS=512 * group // BC)
     return {
-        "group_max": triton.compile(ASTSource(_group_max_kernel, {**sig1, **dict.fromkeys(const1, "constexpr")}, const1),
-                                    target=target, options={"num_warps": 8, "num_stages": 2}),
-        "candidate_scores": triton.compile(ASTSource(_candidate_kernel, {**sig2, **dict.fromkeys(const2, "constexpr")}, const2),
-                                           target=target, options={"num_warps": 4}),
+        "group_max": aot.build(_group_max_kernel, args1, const1, num_warps=8, num_stages=2, arch=arch),
+        "candidate_scores": aot.build(_candidate_kernel, args2, const2, num_warps=4, arch=arch),
     }
 
 
 # ----------------------------------------------------------------------------- v2
 
-# Pass 1 v2 tiles: BM queries x BN pools per product, one product per head.
-BM2, BN2, N_INNER2, WARPS2, STAGES2 = 64, 128, 8, 4, 3
+# Pass 1 v2 tiles: BM queries x BN pools per product, one product per head. Every tile here
+# (the default first; benchmarks/bench_indexer.py sweeps them on the GPU) fits sm_90's shared
+# memory at 4 and 32 heads in the JIT's specialised build (tests/kernels/test_compile.py).
+PASS1_TILES = [(64, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 4), (128, 128, 8, 3)]  # BM, BN, warps, stages
+(BM2, BN2, WARPS2, STAGES2), N_INNER2 = PASS1_TILES[0], 8
+# Pass 1 v2 keeps the q blocks of all heads in shared memory for the whole program while they
+# take at most this much (4 heads x 64 queries x 128, bf16); with more heads it streams them.
+RESIDENT_Q_BYTES = 64 << 10
 # Pass 2 v2: candidates per gathered block.
 BC2 = 128
 # Groups per super-group: pass 1 also keeps the maximum of each SUPER consecutive groups.
@@ -196,16 +197,36 @@ SUPER = 8
 MAX_SUPER_GROUPS = 16384
 
 
+def q_resident(heads: int, dim: int, bm: int) -> bool:
+    """Whether pass 1 v2 holds every head's [bm, dim] q block (16-bit) for the whole program."""
+    return heads * bm * dim * 2 <= RESIDENT_Q_BYTES
+
+
+@triton.jit
+def _store_group_maxima(acc, blk, rows, live, t, out_ptr, sg_ptr, n_pools, n_groups, n_super, stride_ot, stride_st,
+                        KPOOL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SG: tl.constexpr):
+    """Masks pool block `blk`'s [BM, BN] scores causally and stores their group and super-group maxima."""
+    p = blk * BN + tl.arange(0, BN)
+    ok = ((p[None, :] + 1) * KPOOL <= t[:, None] + 1) & (p[None, :] < n_pools)
+    acc = tl.where(ok, acc, float("-inf"))
+    gm = tl.max(tl.reshape(acc, (BM, BN // G, G)), axis=2)
+    g = blk * (BN // G) + tl.arange(0, BN // G)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + g[None, :], gm, mask=live[:, None] & (g < n_groups)[None, :])
+    sgm = tl.max(tl.reshape(gm, (BM, BN // (G * SG), SG)), axis=2)
+    sg = blk * (BN // (G * SG)) + tl.arange(0, BN // (G * SG))
+    tl.store(sg_ptr + rows[:, None].to(tl.int64) * stride_st + sg[None, :], sgm, mask=live[:, None] & (sg < n_super)[None, :])
+
+
 @triton.jit
 def _group_max_v2_kernel(q_ptr, k_ptr, w_ptr, out_ptr, sg_ptr, n_rows, t0, n_pools, n_groups, n_super,
                          stride_qt, stride_qh, stride_kp, stride_wt, stride_ot, stride_st,
                          KPOOL: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SG: tl.constexpr,
                          N_INNER: tl.constexpr, STAGES: tl.constexpr):
-    # One [BM, D] x [D, BN] product per head, accumulated in the product's own register layout:
-    # v1 stacked the heads into the rows of one product and had to move the accumulator across
-    # threads to sum them. The softmax scale is folded into w by the caller (relu(s * c) = c * relu(s)
-    # for c > 0), so the epilogue is one max and one fused multiply-add per head and element.
+    # Few heads: one [BM, D] x [D, BN] product per head, accumulated in the product's own register
+    # layout (v1 stacked the heads into the rows of one product and had to move the accumulator
+    # across threads to sum them). The softmax scale is folded into w by the caller (relu(s * c) =
+    # c * relu(s) for c > 0), so the epilogue is one max and one fused multiply-add per head and element.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     row0 = pid_m * BM
@@ -217,8 +238,14 @@ def _group_max_v2_kernel(q_ptr, k_ptr, w_ptr, out_ptr, sg_ptr, n_rows, t0, n_poo
         live = rows < n_rows
         t = t0 + rows
         d = tl.arange(0, D)
-        q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_qt + d[None, :]
-        w_rows = w_ptr + rows.to(tl.int64) * stride_wt
+        # Every head's q block is loaded once, before the pool loop. Loaded inside it, the loads
+        # were pipelined with the keys: H q blocks per stage, 291 KiB of shared memory at 4 heads.
+        qs = ()
+        ws = ()
+        for h in tl.static_range(H):
+            qs = qs + (tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qt + h * stride_qh + d[None, :],
+                               mask=live[:, None], other=0.0),)
+            ws = ws + (tl.load(w_ptr + rows.to(tl.int64) * stride_wt + h, mask=live, other=0.0),)
         # A constant trip count and no test inside the loop is what Triton software-pipelines: the
         # key loads of the next STAGES - 1 blocks are in flight while the current one is multiplied.
         # Blocks past the diagonal (at most N_INNER - 1 per row block) compute into the causal mask.
@@ -229,19 +256,48 @@ def _group_max_v2_kernel(q_ptr, k_ptr, w_ptr, out_ptr, sg_ptr, n_rows, t0, n_poo
             kt = tl.trans(k)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for h in tl.static_range(H):
+                acc += tl.maximum(tl.dot(qs[h], kt), 0.0) * ws[h][:, None]
+            _store_group_maxima(acc, blk, rows, live, t, out_ptr, sg_ptr, n_pools, n_groups, n_super, stride_ot, stride_st,
+                                KPOOL, BM, BN, G, SG)
+
+
+@triton.jit
+def _group_max_v2_streamed_kernel(q_ptr, k_ptr, w_ptr, out_ptr, sg_ptr, n_rows, t0, n_pools, n_groups, n_super,
+                                  stride_qt, stride_qh, stride_kp, stride_wt, stride_ot, stride_st,
+                                  KPOOL: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                                  BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SG: tl.constexpr,
+                                  N_INNER: tl.constexpr, STAGES: tl.constexpr):
+    # Many heads (32 heads' q blocks take 512 KiB at BM 64): the same products, with the heads as
+    # the pipelined loop. A pool block is loaded once and feeds H products, so its one exposed
+    # load is amortised over them; the q blocks (H per pool block, the larger stream, re-read
+    # from L2) are the loads in flight, STAGES - 1 heads ahead.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row0 = pid_m * BM
+    last_t = t0 + tl.minimum(row0 + BM, n_rows) - 1
+    n_visible = tl.minimum((last_t + 1) // KPOOL, n_pools)
+    blk0 = pid_n * N_INNER
+    rows = row0 + tl.arange(0, BM)
+    live = rows < n_rows
+    t = t0 + rows
+    d = tl.arange(0, D)
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_qt + d[None, :]
+    w_rows = w_ptr + rows.to(tl.int64) * stride_wt
+    # Pool blocks past the block's last visible pool are not visited (their maxima keep -inf).
+    n_blocks = tl.cdiv(n_visible, BN)
+    for i in range(N_INNER):
+        blk = blk0 + i
+        if blk < n_blocks:
+            p = blk * BN + tl.arange(0, BN)
+            k = tl.load(k_ptr + p[:, None].to(tl.int64) * stride_kp + d[None, :], mask=(p < n_pools)[:, None], other=0.0)
+            kt = tl.trans(k)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for h in tl.range(0, H, num_stages=STAGES):
                 qh = tl.load(q_rows + h * stride_qh, mask=live[:, None], other=0.0)
                 wh = tl.load(w_rows + h, mask=live, other=0.0)
                 acc += tl.maximum(tl.dot(qh, kt), 0.0) * wh[:, None]
-            ok = ((p[None, :] + 1) * KPOOL <= t[:, None] + 1) & (p[None, :] < n_pools)
-            acc = tl.where(ok, acc, float("-inf"))
-            gm = tl.max(tl.reshape(acc, (BM, BN // G, G)), axis=2)
-            g = blk * (BN // G) + tl.arange(0, BN // G)
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + g[None, :], gm,
-                     mask=live[:, None] & (g < n_groups)[None, :])
-            sgm = tl.max(tl.reshape(gm, (BM, BN // (G * SG), SG)), axis=2)
-            sg = blk * (BN // (G * SG)) + tl.arange(0, BN // (G * SG))
-            tl.store(sg_ptr + rows[:, None].to(tl.int64) * stride_st + sg[None, :], sgm,
-                     mask=live[:, None] & (sg < n_super)[None, :])
+            _store_group_maxima(acc, blk, rows, live, t, out_ptr, sg_ptr, n_pools, n_groups, n_super, stride_ot, stride_st,
+                                KPOOL, BM, BN, G, SG)
 
 
 @triton.jit
@@ -340,9 +396,10 @@ def _select_kernel(q_ptr, k_ptr, w_ptr, gidx_ptr, gval_ptr, scratch_ptr, out_ptr
         tl.store(out_row + TOPK * KPOOL + j, tl.where(j < n_tail, tail, -1).to(tl.int32), mask=j < KPOOL - 1)
 
 
-def group_max_v2(q, keys, w, t, *, kpool: int, scale: float, group: int, sup: int = SUPER,
-                 bm: int = BM2, bn: int = BN2, n_inner: int = N_INNER2, warps: int = WARPS2, stages: int = STAGES2):
-    """Pass 1 v2: (group maxima [n, ceil(P/G)], maxima of `sup` consecutive groups, sup), fp32, -inf where none."""
+def group_max_v2(q, keys, w, t, *, kpool: int, scale: float, group: int, sup: int = SUPER, bm: int = BM2, bn: int = BN2,
+                 n_inner: int = N_INNER2, warps: int = WARPS2, stages: int = STAGES2, resident: bool | None = None):
+    """Pass 1 v2: (group maxima [n, ceil(P/G)], maxima of `sup` consecutive groups, sup), fp32, -inf where none.
+    `resident` picks the kernel (None: by `q_resident`)."""
     n, heads, dim = q.shape
     n_pools = keys.shape[0]
     if bn % (group * sup):
@@ -355,12 +412,18 @@ def group_max_v2(q, keys, w, t, *, kpool: int, scale: float, group: int, sup: in
         return out, sg, sup
     q, keys = q.contiguous(), keys.contiguous()
     w = (w.float() * scale).contiguous()
+    kernel = _pass1_v2_kernel(heads, dim, bm, resident)
     grid = (triton.cdiv(n, bm), triton.cdiv(triton.cdiv(n_pools, bn), n_inner))
-    _group_max_v2_kernel[grid](q, keys, w, out, sg, n, int(t[0]), n_pools, n_groups, n_super,
-                               q.stride(0), q.stride(1), keys.stride(0), w.stride(0), out.stride(0), sg.stride(0),
-                               KPOOL=kpool, H=heads, D=dim, BM=bm, BN=bn, G=group, SG=sup, N_INNER=n_inner, STAGES=stages,
-                               num_warps=warps)
+    kernel[grid](q, keys, w, out, sg, n, int(t[0]), n_pools, n_groups, n_super,
+                 q.stride(0), q.stride(1), keys.stride(0), w.stride(0), out.stride(0), sg.stride(0),
+                 KPOOL=kpool, H=heads, D=dim, BM=bm, BN=bn, G=group, SG=sup, N_INNER=n_inner, STAGES=stages, num_warps=warps)
     return out, sg, sup
+
+
+def _pass1_v2_kernel(heads: int, dim: int, bm: int, resident: bool | None):
+    if resident is None:
+        resident = q_resident(heads, dim, bm)
+    return _group_max_v2_kernel if resident else _group_max_v2_streamed_kernel
 
 
 def select_groups(maxima, topk_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,29 +464,32 @@ def select_candidates(q, keys, w, t, gidx, gval, out, *, kpool: int, scale: floa
                          TAIL=always_select_tail and kpool > 1, num_warps=4)
 
 
-def aot_compile_v2(heads: int, dim: int, kpool: int, group: int, topk_pools: int = 512, arch: int = 90) -> dict:
-    """The three v2 kernels built for a GPU architecture without a GPU: {name: kernel}."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def aot_compile_group_max_v2(heads: int, dim: int, kpool: int, group: int, tile: tuple = PASS1_TILES[0], arch: int = 90):
+    """Pass 1 v2 with `tile` = (BM, BN, warps, stages), built for a GPU architecture without a GPU
+    and specialised as the JIT specialises its launches (genolong.kernels.aot; lengths taken as
+    multiples of 16)."""
+    bm, bn, warps, stages = tile
+    args = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", sg_ptr="*fp32", n_rows="i32", t0="i32",
+                n_pools="i32", n_groups="i32", n_super="i32", stride_qt=heads * dim, stride_qh=dim, stride_kp=dim,
+                stride_wt=heads, stride_ot="i32", stride_st="i32")
+    const = dict(KPOOL=kpool, H=heads, D=dim, BM=bm, BN=bn, G=group, SG=SUPER, N_INNER=N_INNER2, STAGES=stages)
+    return aot.build(_pass1_v2_kernel(heads, dim, bm, None), args, const, num_warps=warps, arch=arch)
 
-    target = GPUTarget("cuda", arch, 32)
-    ints = ("stride_qt", "stride_qh", "stride_kp", "stride_wt")
-    sig1 = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "sg_ptr": "*fp32", "n_rows": "i32", "t0": "i32",
-            "n_pools": "i32", "n_groups": "i32", "n_super": "i32", **dict.fromkeys(ints, "i32"), "stride_ot": "i32", "stride_st": "i32"}
-    const1 = dict(KPOOL=kpool, H=heads, D=dim, BM=BM2, BN=BN2, G=group, SG=SUPER, N_INNER=N_INNER2, STAGES=STAGES2)
-    sigg = {"gmax_ptr": "*fp32", "sg_ptr": "*fp32", "scratch_ptr": "*i32", "gidx_ptr": "*i64", "gval_ptr": "*fp32",
-            "n_groups": "i32", "n_super": "i32", "stride_gm": "i32", "stride_sg": "i32", "stride_sc": "i32", "stride_gt": "i32"}
+
+def aot_compile_v2(heads: int, dim: int, kpool: int, group: int, topk_pools: int = 512, arch: int = 90) -> dict:
+    """The three v2 kernels with their default launch configs, built for a GPU architecture
+    without a GPU and specialised as the JIT specialises their launches: {name: kernel}."""
+    argsg = dict(gmax_ptr="*fp32", sg_ptr="*fp32", scratch_ptr="*i32", gidx_ptr="*i64", gval_ptr="*fp32", n_groups="i32",
+                 n_super="i32", stride_gm="i32", stride_sg="i32", stride_sc=topk_pools, stride_gt=topk_pools)
     constg = dict(SG=SUPER, NSG=4096, TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools))  # 1M tokens
     n_cand = topk_pools * group
-    sig2 = {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "gidx_ptr": "*i64", "gval_ptr": "*fp32",
-            "scratch_ptr": "*fp32", "out_ptr": "*i32", "t0": "i32", "n_pools": "i32", "n_cand": "i32",
-            **dict.fromkeys(ints, "i32"), "stride_gt": "i32", "stride_st": "i32", "stride_ot": "i32"}
+    args2 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", gidx_ptr="*i64", gval_ptr="*fp32", scratch_ptr="*fp32",
+                 out_ptr="*i32", t0="i32", n_pools="i32", n_cand=n_cand, stride_qt=heads * dim, stride_qh=dim, stride_kp=dim,
+                 stride_wt=heads, stride_gt=topk_pools, stride_st=n_cand, stride_ot=topk_pools * kpool + kpool - 1)
     const2 = dict(KPOOL=kpool, H=heads, HP=_heads_padded(heads, 16), D=dim, G=group, BC=BC2, N_BLOCKS=n_cand // BC2,
                   NC=triton.next_power_of_2(n_cand), TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools), TAIL=True)
-    built = {}
-    for name, kernel, sig, const, warps in (("group_max_v2", _group_max_v2_kernel, sig1, const1, WARPS2),
-                                            ("select_groups", _select_groups_kernel, sigg, constg, 4),
-                                            ("select_candidates", _select_kernel, sig2, const2, 4)):
-        built[name] = triton.compile(ASTSource(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const),
-                                     target=target, options={"num_warps": warps})
-    return built
+    return {
+        "group_max_v2": aot_compile_group_max_v2(heads, dim, kpool, group, arch=arch),
+        "select_groups": aot.build(_select_groups_kernel, argsg, constg, num_warps=4, arch=arch),
+        "select_candidates": aot.build(_select_kernel, args2, const2, num_warps=4, arch=arch),
+    }

@@ -168,15 +168,14 @@ mhc_sinkhorn.register_autograd(_backward, setup_context=_setup_context)
 
 
 def aot_compile(n: int = 4, iters: int = 20, arch: int = 90) -> dict:
-    """Both kernels built for a GPU architecture without a GPU (the CPU compile check): {name: kernel}."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Both kernels built for a GPU architecture without a GPU (the CPU compile check), specialised
+    as the JIT specialises their launches (genolong.kernels.aot): {name: kernel}."""
+    from genolong.kernels import aot
 
-    target = GPUTarget("cuda", arch, 32)
     const = dict(N=n, STEPS=steps(iters), BT=BT)
     built = {}
     for name, kernel, ptrs in (("forward", _sinkhorn_fwd_kernel, ("x_ptr", "y_ptr")),
                                ("backward", _sinkhorn_bwd_kernel, ("x_ptr", "dy_ptr", "dx_ptr"))):
-        sig = {**dict.fromkeys(ptrs, "*fp32"), "n_tokens": "i32", "eps": "fp32", **dict.fromkeys(const, "constexpr")}
-        built[name] = triton.compile(ASTSource(kernel, sig, const), target=target, options={"num_warps": 4})
+        args = {**dict.fromkeys(ptrs, "*fp32"), "n_tokens": "i32", "eps": "fp32"}
+        built[name] = aot.build(kernel, args, const, num_warps=4, arch=arch)
     return built

@@ -1,5 +1,5 @@
 """This session's fast paths on a CUDA GPU against their references (skipped without one): the v2
-indexer (also by pieces at their query offsets), fla's short conv, the Sinkhorn kernels, and the
+indexer (also by pieces at their query offsets; pass 1's kernels and tiles), fla's short conv, the Sinkhorn kernels, and the
 compile pass on a glm53-mini model under the fused policy."""
 
 import pytest
@@ -54,6 +54,29 @@ def test_indexer_v2_many_chunks_equals_one_chunk():
     one = it.indexer_fused_select(q, keys, w, **kw)
     many = it.indexer_fused_select(q, keys, w, budget_bytes=1, **kw)  # 64-query chunks
     assert _sets(one) == _sets(many)
+
+
+@pytest.mark.parametrize("heads", [4, 32])
+def test_indexer_v2_pass1_kernels_and_tiles_launch_and_agree(heads):
+    # The H200 refused v2's pass 1 for shared memory once (2026-12-01): every tile of the
+    # benchmark's sweep must launch, and both pass-1 kernels (q held per program, q streamed) must
+    # give the maxima the PyTorch pass 1 gives, up to fp32 summation order.
+    from genolong.kernels import indexer_topk as it
+    from genolong.kernels import indexer_triton as tr
+
+    seq = 8192
+    q, keys, w = _indexer_inputs(seq, heads=heads)
+    q, keys, w, t = q[0, -4096:], keys[0], w[0, -4096:], torch.arange(seq - 4096, seq, device=DEV)
+    kw = dict(kpool=4, scale=128**-0.5, group=8)
+    want = it.group_max_super_torch(q.float(), keys.float(), w, t, **kw)[0]
+    finite = want.isfinite()
+    tol = 1e-5 * float(want[finite].abs().max())
+    runs = {f"tile {tile}": dict(zip(("bm", "bn", "warps", "stages"), tile)) for tile in tr.PASS1_TILES}
+    runs.update({"streamed": dict(resident=False)} if tr.q_resident(heads, 128, tr.BM2) else {})
+    for name, options in runs.items():
+        got = tr.group_max_v2(q, keys, w, t, **kw, **options)[0]
+        assert torch.equal(got.isfinite(), finite), name
+        assert float((got[finite] - want[finite]).abs().max()) <= tol, name
 
 
 def test_short_conv_fla_outputs_and_gradients():

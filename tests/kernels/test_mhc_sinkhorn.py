@@ -71,5 +71,8 @@ def test_supported_names_what_it_declines():
 def test_sinkhorn_kernels_compile_for_sm90_without_spills():
     from genolong.kernels import mhc_sinkhorn
 
+    from genolong.kernels import aot
+
     for name, kernel in mhc_sinkhorn.aot_compile().items():
         assert ".local" not in kernel.asm["ptx"], name
+        assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, (name, kernel.metadata.shared)
