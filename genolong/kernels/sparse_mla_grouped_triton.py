@@ -182,26 +182,20 @@ def backward_chunk(q, kv, packed, bounds, dout, lse, dlt, dq, dkv, *, chunk: int
 
 
 def aot_compile(kind: str, heads: int, dim: int, config: Config, *, arch: int = 90):
-    """Compile "fwd" or "bwd" for a GPU architecture without a GPU (the CPU compile check)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Compile "fwd" or "bwd" for a GPU architecture without a GPU, specialised as the JIT
+    specialises a launch (genolong/kernels/aot.py): the CPU build check."""
+    from genolong.kernels import aot
 
-    n_hb = triton.cdiv(heads, config.head_block)
-    meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, QG=config.query_group,
-                LOG2_QG=_log2(config.query_group), PREC="tf32")
-    ints = {"n_rows": "i32", "seq_kv": "i32", "width_g": "i32", "n_bounds": "i32", "chunk": "i32", "group0": "i32"}
+    meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=triton.cdiv(heads, config.head_block),
+                QG=config.query_group, LOG2_QG=_log2(config.query_group), PREC="tf32")
+    ints = dict.fromkeys(("n_rows", "seq_kv", "width_g", "n_bounds", "chunk", "group0", "H"), "i32")
     if kind == "fwd":
         fn = _sparse_mla_fwd_grouped_kernel
-        sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "pidx_ptr": "*i32", "bounds_ptr": "*i32", "acc_ptr": "*fp32",
-               "m_ptr": "*fp32", "l_ptr": "*fp32", **ints, "scale_log2": "fp32", "H": "i32"}
+        args = dict(q_ptr="*bf16", kv_ptr="*bf16", pidx_ptr="*i32", bounds_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32",
+                    l_ptr="*fp32", scale_log2="fp32", **ints)
     else:
         fn = _sparse_mla_bwd_grouped_kernel
         meta["ADD_DKV"] = True
-        sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "pidx_ptr": "*i32", "bounds_ptr": "*i32", "do_ptr": "*bf16",
-               "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dkv_ptr": "*fp32", **ints,
-               "scale": "fp32", "scale_log2": "fp32", "H": "i32"}
-    # As the JIT specialises them for torch's allocations: every pointer 16-byte aligned.
-    aligned = {(i,): [["tt.divisibility", 16]] for i, kind_ in enumerate(sig.values()) if kind_.startswith("*")}
-    src = ASTSource(fn, {**sig, **dict.fromkeys(meta, "constexpr")}, meta, attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+        args = dict(q_ptr="*bf16", kv_ptr="*bf16", pidx_ptr="*i32", bounds_ptr="*i32", do_ptr="*bf16", lse_ptr="*fp32",
+                    delta_ptr="*fp32", dq_ptr="*fp32", dkv_ptr="*fp32", scale="fp32", scale_log2="fp32", **ints)
+    return aot.build(fn, args, meta, num_warps=config.num_warps, num_stages=config.num_stages, arch=arch)

@@ -224,21 +224,6 @@ def test_candidates_fit_the_sm90_limits_chosen_offline():
 # ----------------------------------------------------------------------------- sm_90 builds
 
 
-def _ptxas_report(kernel) -> tuple[int, int]:
-    """(registers, spill-store bytes) from ptxas -v on the kernel's PTX."""
-    import re
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(kernel.asm["ptx"])
-        f.flush()
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"Used (\d+) registers", log).group(1)), int(re.search(r"(\d+) bytes spill stores", log).group(1))
-
-
 @needs_triton
 @pytest.mark.parametrize("heads", [4, 8, 16, 64])  # glm53-mini, GLM-5.3-Flash at TP 8 / 4, whole
 def test_kernels_compile_for_sm90_without_spills(heads):
@@ -259,7 +244,7 @@ def test_kernels_compile_for_sm90_without_spills(heads):
         assert ("wgmma" if heads == 64 and name == "fwd HB64/BN32/w8/s5" else "mma.sync") in ptx, name  # tensor cores
         assert "cp.async" in ptx, name  # the gathered rows are copied asynchronously
         assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, (name, kernel.metadata.shared)
-        regs, spills = _ptxas_report(kernel)
+        regs, spills = aot.ptxas_usage(kernel)
         assert spills == 0, (name, regs, spills)
     # dkv: one vectorised relaxed atomic per 4 columns, after the sum over the head block.
     assert all("atom.global.gpu.relaxed.add.v4.f32" in kernel.asm["ptx"] for name, kernel in builds.items() if name.startswith("bwd"))
