@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from genolong.model import ops
 from genolong.model.config import IndexerConfig
+from genolong.model.piece import SequencePiece
 
 # Upper bound on score-matrix elements per query chunk in the reference (fp32: 256 MiB).
 _SCORE_ELEMENTS = 1 << 26
@@ -124,18 +125,24 @@ class Indexer(nn.Module):
         head_weights = self.weights_proj(x).float() * self.cfg.n_heads**-0.5
         return index_q, head_weights
 
-    def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> IndexerProjections:
-        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank]."""
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor, piece: SequencePiece | None = None) -> IndexerProjections:
+        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank].
+        With a `piece` (context parallelism) the queries are the piece's and the pooled keys the whole
+        sequence's: each piece pools its own (whole) pools, then they are gathered."""
         index_q, head_weights = self.queries(x, q_resid)
-        return IndexerProjections(index_q, self.pool_keys(x), head_weights)
+        pool_keys = self.pool_keys(x)
+        if piece is not None:
+            pool_keys = piece.gather(pool_keys)
+        return IndexerProjections(index_q, pool_keys, head_weights)
 
     @property
     def softmax_scale(self) -> float:
         return self.cfg.head_dim**-0.5
 
     @torch.no_grad()
-    def select(self, proj: IndexerProjections) -> torch.Tensor:
-        """The top-k token indices int32 [B, T, W] (docs/ops.md "dsa_indexer_topk")."""
+    def select(self, proj: IndexerProjections, query_offset: int = 0) -> torch.Tensor:
+        """The top-k token indices int32 [B, T, W] (docs/ops.md "dsa_indexer_topk"); the queries sit
+        at positions query_offset + [0, T) of the sequence the pooled keys cover."""
         return ops.call(
             "dsa_indexer_topk",
             self.layer_idx,
@@ -146,9 +153,11 @@ class Indexer(nn.Module):
             topk_pools=self.cfg.topk_pools,
             always_select_tail=self.cfg.always_select_tail,
             softmax_scale=self.softmax_scale,
+            query_offset=query_offset,
         )
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
-        """The frozen indexer: top-k indices, nothing kept for backward."""
-        return self.select(self.project(x, q_resid))
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, piece: SequencePiece | None = None) -> torch.Tensor:
+        """The frozen indexer: top-k indices, nothing kept for backward. With a `piece`: the piece's
+        queries against the whole sequence's pools, indices global (see `project`)."""
+        return self.select(self.project(x, q_resid, piece), query_offset=0 if piece is None else piece.offset)

@@ -214,12 +214,24 @@ class KimiDeltaAttention(nn.Module):
         return ops.call("kda_short_conv", self.layer_idx, qkv, self.conv1d.weight.squeeze(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq = x.shape[:2]
-        heads_shape = (batch, seq, -1, self.head_dim)
-        qkv = self.short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
+        q, k, v, g, beta = self.recurrence_inputs(x, self.short_conv(self.qkv_projections(x)))
+        return self.output(x, ops.call("kda", self.layer_idx, q, k, v, g, beta))
+
+    # The steps of forward, separate so that context parallelism (genolong/parallel/context_kda.py)
+    # can put its halo exchange around the conv and pass the state between ranks.
+
+    def qkv_projections(self, x: torch.Tensor) -> torch.Tensor:
+        """The concatenated [q; k; v] projections of x [B, T, hidden], before the short conv: [B, T, 3 * qkv]."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def recurrence_inputs(self, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v [B,T,H,D], g [B,T,H,D], beta [B,T,H]): the "kda" op's inputs from x and the conv output qkv."""
+        heads_shape = (*x.shape[:2], -1, self.head_dim)
         q, k, v = (t.reshape(heads_shape) for t in qkv.chunk(3, dim=-1))
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x))
-        o = ops.call("kda", self.layer_idx, q, k, v, g, beta)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(heads_shape)
+        return q, k, v, self.forget_gate(x), torch.sigmoid(self.b_proj(x))
+
+    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The gated norm of the recurrence output o [B,T,H,Dv] and o_proj -> [B, T, hidden]."""
+        batch, seq = x.shape[:2]
+        gate = self.g_b_proj(self.g_a_proj(x)).view(batch, seq, -1, self.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(batch, seq, -1))

@@ -13,6 +13,7 @@ and leave the gradient bookkeeping to autograd:
 | `reduce_sum` (all-reduce)        | identity                          | TP: row-parallel without SP   |
 | `copy_to` (identity)             | all-reduce                        | TP: column-parallel inputs    |
 | `exchange` (uneven all-to-all)   | the reverse exchange              | EP: token dispatch / combine  |
+| `from_previous_rank` (halo)      | sent back to the previous rank    | CP: the KDA short conv's halo |
 
 Shards along `dim` are equal-sized except in `exchange`. Tensors are made contiguous with the
 gathered dimension outermost before a collective, because NCCL and gloo move flat buffers.
@@ -142,6 +143,28 @@ class _CopyTo(torch.autograd.Function):
         return grad, None
 
 
+class _FromPrevious(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _neighbour(x, group, step=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _neighbour(grad, ctx.group, step=+1), None
+
+
+def _neighbour(x: torch.Tensor, group, step: int) -> torch.Tensor:
+    """The x of rank (this rank + step), zeros where that rank does not exist. An all-gather
+    underneath: meant for halos of a few tokens, where a collective beats two point-to-point calls."""
+    n = _size(group)
+    if n == 1:
+        return torch.zeros_like(x)
+    everyone = _all_gather(x.unsqueeze(0), 0, group)  # every rank takes part, even one that keeps nothing
+    source = dist.get_rank(group) + step
+    return everyone[source].contiguous() if 0 <= source < n else torch.zeros_like(x)
+
+
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send_counts, recv_counts, group):
@@ -193,6 +216,12 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward, all-reduce (sum) backward: the input of a column-parallel product."""
     return _CopyTo.apply(x, group)
+
+
+def from_previous_rank(x: torch.Tensor, group) -> torch.Tensor:
+    """The previous rank's x (zeros on the first rank); every rank must pass the same shape. The
+    gradient goes back to the rank that sent it (context parallelism: the short conv's halo)."""
+    return _FromPrevious.apply(x, group)
 
 
 def exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:

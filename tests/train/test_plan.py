@@ -185,7 +185,9 @@ def test_preflight_refuses_the_baseline_at_512k_and_names_the_flag():
 
 def test_preflight_names_no_flag_when_nothing_fits():
     # glm-5.3-flash's weights and optimizer state alone exceed one GPU: no --seq helps, GPUs do.
-    with pytest.raises(GenolongError, match="GPU memory short: .* it would fit with more GPUs: --gpus 64 [^;]*; see") as err:
+    # On H200s 64 are not enough once FSDP's gathered layer and the cp-gathered tensors are counted
+    # (tests/train/test_plan_parallel.py); the advice names the layout on the fewest GPUs that fits.
+    with pytest.raises(GenolongError, match="GPU memory short: .* it would fit with more GPUs: --gpus 128 --parallel [^;]*--fsdp[^;]*; see") as err:
         preflight(get_preset("glm-5.3-flash"), 1 << 20, MemoryOptions(host_budget_gib=4096), n_gpus=1, gpu_bytes=int(139.8 * GIB))
     assert "--seq" not in str(err.value)
 
@@ -204,9 +206,11 @@ def test_preflight_passes_a_run_that_fits():
 def test_plan_command_prints_gpu_and_host():
     from genolong.cli import app
 
-    result = CliRunner().invoke(app, ["plan", "--seq", "1M", "--preset", "glm-5.3-flash", "--gpus", "64", "--host-budget-gib", "204.8"])
+    # --gpus 64 alone: cp=64 with FSDP, which fits 64 B200s (not H200s: tests/train/test_plan_parallel.py).
+    args = ["plan", "--seq", "1M", "--preset", "glm-5.3-flash", "--gpus", "64", "--gpu-type", "b200", "--host-budget-gib", "204.8"]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "a plan" in result.output  # 64 GPUs: context parallelism genolong does not run yet
+    assert "a plan" in result.output  # 64 GPUs: context parallelism and FSDP genolong does not run yet
     for word in ("weights", "optimizer state", "stored layer inputs", "total pinned", "fits"):
         assert word in result.output
     result = CliRunner().invoke(app, ["plan", "--seq", "512k", "--preset", "glm53-mini", "--baseline", "--host-gib", "128"])
