@@ -3,6 +3,7 @@ kernels (each forward / dkv mode) against megatron-core's padded TileLang kernel
 
     python benchmarks/bench_sparse_attention.py --out runs/sparse                   # < 5 min on a fresh H200
     python benchmarks/bench_sparse_attention.py --preset iter2 --out runs/sparse2   # the grouped kernels' cells, < 4 min
+    python benchmarks/bench_sparse_attention.py --preset grouped-check --budget-s 160 --out runs/sparse2c  # parity + grouped vs default, < 200 s
 
 1. Parity (first, at 4096 tokens): every candidate launch config of each mode against the fp32
    reference at 4, 16 and 64 heads: relative error of out, dq, dkv and the max abs error of lse.
@@ -76,6 +77,12 @@ PRESETS = {
         ("64k", 64, "triton-grouped"), ("64k", 64, "triton-atomic"), ("64k", 64, "triton-grouped-fwd"), ("64k", 64, "triton-fwd"),
         ("512k", 4, "triton-grouped-fwd"), ("512k", 4, "triton-fwd"),
         ("128k", 4, "megatron")]),
+    # The grouped passes' parity on the GPU and their time beside the default (v1 keychunk) at
+    # 128k for 4, 16 and 64 heads, then 512k at 4 heads: no TileLang, no probes (< 200 s cold).
+    "grouped-check": dict(parity_modes="grouped", cells=[
+        ("128k", 4, "triton-grouped"), ("128k", 4, "triton-keychunk"), ("128k", 16, "triton-grouped"),
+        ("128k", 16, "triton-keychunk"), ("128k", 64, "triton-grouped"), ("128k", 64, "triton-keychunk"),
+        ("512k", 4, "triton-grouped"), ("512k", 4, "triton-keychunk")]),
 }
 TILELANG_BUILD_S = 110  # a TileLang build of megatron's forward + backward for a new head count
 
