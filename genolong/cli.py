@@ -35,6 +35,7 @@ COMMANDS = [
     ("finetune", "genolong.train.cli", "finetune"),
     ("plan", "genolong.train.cli", "plan"),
     ("eval-positional", "genolong.eval.cli", "eval_positional"),
+    ("eval-recall", "genolong.eval.recall_cli", "eval_recall"),
 ]
 
 
