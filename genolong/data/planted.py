@@ -202,8 +202,6 @@ class PlantedRepeatSampler:
         self.base = base
         self.spec = spec.validate(window=base.length)
         self.seed = int(spec.seed if spec.seed is not None else seed)
-        self.copies_planted = 0
-        self.copies_asked = 0
 
     @property
     def length(self) -> int:
@@ -211,10 +209,7 @@ class PlantedRepeatSampler:
 
     def plant(self, window: Window) -> PlantedWindow:
         rng = window_rng(self.seed, window)
-        planted = plant_window(window, self.spec.draw_distances(rng), self.spec.length, rng)
-        self.copies_asked += self.spec.per_window
-        self.copies_planted += len(planted.copies)
-        return planted
+        return plant_window(window, self.spec.draw_distances(rng), self.spec.length, rng)
 
     def __iter__(self) -> Iterator[PlantedWindow]:
         for window in self.base:
