@@ -49,6 +49,9 @@ def parser(description: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="a prepared genome (default: the bundled one, prepared into OUT/data)")
     p.add_argument("--holdout-cut", type=int, default=None,
                    help="hold out E. coli from this base on (an interval split, for windows longer than lambda's 48.5 kb)")
+    p.add_argument("--init-from", default=None,
+                   help="start the arm from this model (a finetune run = its latest checkpoint, or a model directory) instead of "
+                   "the preset's seeded initialisation, e.g. a short-window stage shared by the arms")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--preset-overrides", default="{}", help='JSON for get_preset, e.g. \'{"num_layers": 8}\'')
     p.add_argument("--seq", default="2k", help="training window (tokens)")
@@ -125,6 +128,10 @@ def prepare_data(args, out: Path, log: Log) -> Path:
 
 
 def initial_model(args, out: Path, log: Log) -> Path:
+    if args.init_from:
+        source = Path(args.init_from)
+        latest = ckpt_io.latest(source) if (source / ckpt_io.CHECKPOINTS).is_dir() else None
+        return latest / ckpt_io.MODEL_DIR if latest else source
     init = out / "init"
     if not (init / "config.json").exists():
         overrides = json.loads(args.preset_overrides)
