@@ -5,7 +5,8 @@ one copy of `length` bases per requested distance d, placed by genolong.data.pla
 from (seed, window) alone, so every model sees exactly the same planted windows. A window where
 some distance finds no N-free room is skipped (and counted).
 
-Per window, per distance, per offset o in [0, length) of the copy, three losses (nats):
+Per window, per distance, per offset o in [0, length) of the copy, three losses (nats, the
+model's probabilities renormalised over A, C, G, T as in eval-positional):
 - copy: the planted window's loss at target dest + o;
 - first: the planted window's loss at target source + o (the same bases, first occurrence);
 - null: the unplanted window's loss at target dest + o (ordinary DNA at the copy's place).

@@ -35,7 +35,7 @@ def eval_recall(
     kernels: Annotated[
         Optional[str], typer.Option(help="Ops policy: fused, auto or reference (default: fused on CUDA, reference on CPU).")
     ] = None,
-    loss_chunk: Annotated[Optional[int], typer.Option(help="Tokens per LM-head chunk (default: ~1 GiB of fp32 logits).")] = None,
+    loss_chunk: Annotated[Optional[int], typer.Option(help="Tokens per LM-head chunk (default: ~256 MiB of fp32 hidden states).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
 ) -> None:
@@ -54,7 +54,6 @@ def eval_recall(
     from genolong.eval.positional import ModelScorer
     from genolong.eval.recall import RecallLayout, RecallSettings, evaluate
     from genolong.model import ops
-    from genolong.train.loss import auto_chunk_tokens, chunked_token_loss
     from genolong.train.memory import apply_memory_optimizations
     from genolong.train.options import MemoryOptions
 
@@ -112,12 +111,11 @@ def eval_recall(
         )
 
     def make_scorer(role: str) -> ModelScorer:
-        spec = resolved[role].spec
         model = models.load(resolved[role], dtypes[dtype_name], dev)
         # MoE over the sequence in chunks, as in training and eval-positional; no backward here.
         apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
-        chunk = loss_chunk or auto_chunk_tokens(spec.architecture["vocab_size"])
-        return ModelScorer(model, models.token_map_array(spec), chunked_token_loss, device=dev, chunk_tokens=chunk)
+        # Bits over A, C, G, T (the model's probabilities renormalised over the four bases), as eval-positional.
+        return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=loss_chunk)
 
     settings = RecallSettings(
         layout=layout,

@@ -20,8 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
+from genolong.eval.positional import LN2  # noqa: E402
 from genolong.eval.recall_report import LOW_WINDOWS, RecallResults  # noqa: E402
-from genolong.eval.report import LN2  # noqa: E402
 from genolong.units import format_length  # noqa: E402
 
 

@@ -2,7 +2,8 @@
 occurrence and on ordinary DNA (null), the recall, per-offset curves; CSV, JSON, PNG, summary.
 
 - bits/base: token-weighted mean loss over offsets [skip, length) of every copy at that
-  distance, in bits (nats / ln 2, one token per base).
+  distance, -log2 p(base) with p renormalised over A, C, G, T (genolong.eval.dnaloss, as
+  eval-positional), so 2 bits is uniform guessing for any vocabulary.
 - recall = 1 - copy / first: the fraction of the first-occurrence loss that the copy no longer
   costs. 1 = the model predicts the copy perfectly; 0 = it scores the copy like new DNA (it
   does not use the context d bases back); it can be slightly negative by chance.
@@ -24,12 +25,13 @@ import numpy as np
 
 from genolong.eval import stats
 from genolong.eval.positional import WindowScore
+from genolong.eval.positional import LN2
 from genolong.eval.recall import KINDS, RecallLayout
-from genolong.eval.report import LN2, Estimate
+from genolong.eval.report import MIN_WINDOWS, UNITS, Estimate
 from genolong.eval.store import write_atomic
 from genolong.units import format_length
 
-LOW_WINDOWS = 20  # fewer windows than this: percentile intervals run narrow (said in every output)
+LOW_WINDOWS = MIN_WINDOWS  # fewer windows than this: percentile intervals run narrow (said in every output)
 CSV_COLUMNS = ("model", "label", "distance", "n_windows", "n_bases") + tuple(
     f"{q}{suffix}" for q in ("copy_bits", "first_bits", "null_bits", "recall") for suffix in ("", "_lo", "_hi")
 )
@@ -144,6 +146,7 @@ def summary(res: RecallResults) -> dict[str, Any]:
 def to_json(res: RecallResults) -> str:
     lay = res.layout
     doc = {
+        "units": UNITS,
         "layout": {"seq": lay.seq, "length": lay.length, "distances": list(lay.distances), "skip": lay.skip},
         "windows": [{"record": r, "start": s, "reverse": v} for r, s, v in res.windows],
         "low_window_warning": res.low_windows,

@@ -19,6 +19,7 @@ FUSED = {
     "dsa_indexer_topk": [("triton_two_pass", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused")],
     "kda": [("fla_chunk_kda", "genolong.kernels.kda_fla", "kda_fla")],
     "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe_grouped", "moe_experts_grouped")],
+    "dsa_indexer_loss": [("triton_pool_kl", "genolong.kernels.indexer_loss", "dsa_indexer_loss_fused")],
 }
 
 # The references live beside the layers that use them; importing those modules registers them.

@@ -5,13 +5,18 @@ average: gate scores from the hidden state plus a position-in-pool bias). Each q
 every complete pool that has ended by its position, keeps the best `topk // kpool`, and (by
 default) also takes its own incomplete tail pool, so it always sees its most recent tokens.
 
-The indexer is frozen (run under no_grad, like the reference): it receives no gradient from
-the language-modelling loss. See docs/model.md for that decision. Scoring is the hot op
-"dsa_indexer_topk"; `indexer_topk_reference` below is its oracle, chunked over queries so the
-[queries x pools] score matrix never exists whole (seed optimization 2).
+The selection is discrete, so the language-modelling loss never reaches the indexer. By default
+it is frozen (run under no_grad, like the reference); trained, it learns only from its own KL
+loss against the main attention (genolong/model/indexer_loss.py, docs/model.md), which is why
+`project` (the differentiable part: queries, pooled keys, head weights) is separate from
+`select` (the top-k). Scoring is the hot op "dsa_indexer_topk"; `indexer_topk_reference` below
+is its oracle, chunked over queries so the [queries x pools] score matrix never exists whole
+(seed optimization 2).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -70,6 +75,15 @@ def indexer_topk_reference(
 ops.register("dsa_indexer_topk", ops.REFERENCE, indexer_topk_reference)
 
 
+class IndexerProjections(NamedTuple):
+    """What the indexer scores with: index_q [B,T,Hi,Di], pool_keys [B,P,Di], head_weights [B,T,Hi]
+    fp32 (already times Hi^-0.5). The indexer's parameters act only through these three."""
+
+    index_q: torch.Tensor
+    pool_keys: torch.Tensor
+    head_weights: torch.Tensor
+
+
 class Indexer(nn.Module):
     def __init__(self, hidden: int, q_lora_rank: int, cfg: IndexerConfig, layer_idx: int) -> None:
         super().__init__()
@@ -94,21 +108,40 @@ class Indexer(nn.Module):
         weights = (logits.float() + self.index_kpool_compress_ape.float()).softmax(dim=2).to(keys.dtype)
         return (weights * keys).sum(dim=2)
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
-        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank]."""
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index_q [B,T,Hi,Di], head_weights fp32 [B,T,Hi]) of the tokens of x [B,T,hidden] and
+        q_resid [B,T,q_lora_rank]: per token, so any slice of queries can be computed alone."""
         batch, seq = x.shape[:2]
         index_q = self.wq_b(q_resid).view(batch, seq, -1, self.cfg.head_dim)
         # Scaled by the configured head count, so a head-sliced indexer scores like the whole one.
         head_weights = self.weights_proj(x).float() * self.cfg.n_heads**-0.5
+        return index_q, head_weights
+
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor) -> IndexerProjections:
+        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank]."""
+        index_q, head_weights = self.queries(x, q_resid)
+        return IndexerProjections(index_q, self.pool_keys(x), head_weights)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.cfg.head_dim**-0.5
+
+    @torch.no_grad()
+    def select(self, proj: IndexerProjections) -> torch.Tensor:
+        """The top-k token indices int32 [B, T, W] (docs/ops.md "dsa_indexer_topk")."""
         return ops.call(
             "dsa_indexer_topk",
             self.layer_idx,
-            index_q,
-            self.pool_keys(x),
-            head_weights,
+            proj.index_q,
+            proj.pool_keys,
+            proj.head_weights,
             kpool=self.cfg.kpool,
             topk_pools=self.cfg.topk_pools,
             always_select_tail=self.cfg.always_select_tail,
-            softmax_scale=self.cfg.head_dim**-0.5,
+            softmax_scale=self.softmax_scale,
         )
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
+        """The frozen indexer: top-k indices, nothing kept for backward."""
+        return self.select(self.project(x, q_resid))

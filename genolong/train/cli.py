@@ -9,8 +9,9 @@ import typer
 from genolong.errors import GenolongError
 from genolong.train.plan_cli import plan  # noqa: F401  (mounted by genolong.cli)
 
-_MEM = "Memory optimizations (each can be switched off alone; --baseline switches all off)"
+_MEM = "Memory optimizations (each one can be turned off; --baseline: all off)"
 _RUN = "Run"
+_IDX = "DSA indexer training (default: frozen)"
 
 
 def finetune(
@@ -52,16 +53,16 @@ def finetune(
     ] = None,
     kernels: Annotated[
         str | None,
-        typer.Option(help="Hot-op policy: fused (fail loudly on a fallback), auto, reference [default: fused on CUDA, reference on CPU].", show_default=False),
+        typer.Option(help="Hot-op policy: fused (fail loudly on a fallback), auto, reference (default: fused on CUDA, reference on CPU).", show_default=False),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="cuda, cuda:1, cpu [default: cuda if available].", show_default=False)] = None,
+    device: Annotated[str | None, typer.Option(help="cuda, cuda:1, cpu (default: cuda if available).", show_default=False)] = None,
     launcher: Annotated[str, typer.Option(help="local (a spawned worker process) or ray (a Ray actor).")] = "local",
-    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address [default: start a local Ray].", show_default=False)] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: start a local Ray).", show_default=False)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
     recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Full-layer activation recompute (off also turns offload off).", rich_help_panel=_MEM)] = True,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Layer inputs to pinned host memory.", rich_help_panel=_MEM)] = True,
     offload_layers: Annotated[
-        int | None, typer.Option(help="Layers that offload [default: as many as the GPU budget needs].", rich_help_panel=_MEM, show_default=False)
+        int | None, typer.Option(help="Layers that offload (default: as many as the GPU budget needs).", rich_help_panel=_MEM, show_default=False)
     ] = None,
     pinned: Annotated[bool, typer.Option("--pinned/--no-pinned", help="Pinned (page-locked) host buffers.", rich_help_panel=_MEM)] = True,
     overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Offload copies on their own streams.", rich_help_panel=_MEM)] = True,
@@ -74,16 +75,27 @@ def finetune(
         bool, typer.Option("--chunked-loss/--no-chunked-loss", help="LM head + loss in chunks (no [T, vocab] logits).", rich_help_panel=_MEM)
     ] = True,
     loss_chunk: Annotated[
-        str | None, typer.Option(help="Tokens per loss chunk [default: ~1 GiB of fp32 logits].", rich_help_panel=_MEM, show_default=False)
+        str | None, typer.Option(help="Tokens per loss chunk (default: ~1 GiB of fp32 logits).", rich_help_panel=_MEM, show_default=False)
     ] = None,
-    gpu_budget: Annotated[float | None, typer.Option(help="GPU memory budget, GiB [default: the device's].", rich_help_panel=_MEM, show_default=False)] = None,
-    host_budget: Annotated[float | None, typer.Option(help="Pinned host memory budget, GiB [default: the machine's].", rich_help_panel=_MEM, show_default=False)] = None,
+    gpu_budget: Annotated[float | None, typer.Option(help="GPU memory budget, GiB (default: the device's).", rich_help_panel=_MEM, show_default=False)] = None,
+    host_budget: Annotated[float | None, typer.Option(help="Pinned host memory budget, GiB (default: the machine's).", rich_help_panel=_MEM, show_default=False)] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Every memory optimization off (the stack out of the box).", rich_help_panel=_MEM)] = False,
+    indexer_loss_coeff: Annotated[
+        float, typer.Option(help="Train the DSA indexer with its KL loss at this weight (0: frozen indexer).", rich_help_panel=_IDX)
+    ] = 0.0,
+    indexer_warmup_steps: Annotated[
+        int, typer.Option(help="First N steps train only the indexer, against dense attention (O(T^2): short contexts).", rich_help_panel=_IDX)
+    ] = 0,
+    indexer_recall_every: Annotated[
+        int, typer.Option(help="Every N steps log how much dense attention the indexer's selection keeps (0: never).", rich_help_panel=_IDX)
+    ] = 0,
+    indexer_recall_queries: Annotated[int, typer.Option(help="Sampled queries per DSA layer for the recall.", rich_help_panel=_IDX)] = 256,
 ) -> None:
     """Fine-tune (or train from scratch) on a prepared genome at 512k-1M tokens per sequence.
 
-    Examples: genolong finetune --data data/hg38 --seq 512k --preset glm53-mini --steps 80 --out runs/a;
-    genolong finetune --data data/hg38 --seq 128k --model /path/to/glm5_next --out runs/b;
+    Examples:
+    genolong finetune --data data/hg38 --seq 512k --preset glm53-mini --out runs/a
+    genolong finetune --data data/hg38 --seq 128k --model /ckpt/glm5 --out runs/b
     genolong finetune --resume runs/a
     """
     from genolong.train.launch import launch
@@ -147,6 +159,10 @@ def finetune(
             ray_address=ray_address,
             progress=progress,
             memory=memory,
+            indexer_loss_coeff=indexer_loss_coeff,
+            indexer_warmup_steps=indexer_warmup_steps,
+            indexer_recall_every=indexer_recall_every,
+            indexer_recall_queries=indexer_recall_queries,
         )
     records = launch(options)
     if records:

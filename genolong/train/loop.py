@@ -10,6 +10,10 @@ One step (docs/training.md):
    the scheduled learning rate;
 4. one record: loss, lr, grad norm, tokens/s, MFU/HFU, peak GPU memory, pinned host bytes;
    JSONL, TensorBoard, progress bar; a checkpoint every `save_every` steps and at the end.
+With `indexer_loss_coeff > 0` the DSA indexer trains too (genolong/train/indexer.py): its KL
+loss joins step 2 (or, during the indexer warm-up, replaces the LM backward: only the indexer
+updates in step 3), and the record carries its loss and, every `indexer_recall_every` steps, its
+recall.
 
 Everything a step depends on is either in the checkpoint (weights, optimizer, sampler position,
 RNG states, counters) or a pure function of the options (the schedule), so a resumed run
@@ -38,6 +42,7 @@ from genolong.errors import GenolongError
 from genolong.model import ops
 from genolong.train import checkpoint as ckpt_io
 from genolong.train.flops import peak_flops, step_flops
+from genolong.train.indexer import IndexerTraining, trainable_parameters
 from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss
 from genolong.train.metrics import JsonlLog, Progress, StepRecord, TensorBoardLog
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
@@ -109,8 +114,15 @@ def train(options: TrainOptions) -> list[dict]:
     model, dna_map = _build_model(options, device, dtype, resume_from)
     _set_kernel_policy(resolve_kernels(options, device))
     handle = _apply_memory(model, options)
+    indexer = IndexerTraining(
+        model,
+        coeff=options.indexer_loss_coeff,
+        warmup_steps=options.indexer_warmup_steps,
+        recall_every=options.indexer_recall_every,
+        recall_queries=options.indexer_recall_queries,
+    )
     optimizer = MasterAdamW(
-        list(model.named_parameters()),
+        trainable_parameters(model, train_indexer=indexer.trains),
         lr=options.lr,
         betas=(options.beta1, options.beta2),
         eps=options.eps,
@@ -151,7 +163,7 @@ def train(options: TrainOptions) -> list[dict]:
     try:
         for step in range(start, end):
             batch = next(batches)
-            record = _train_step(model, optimizer, batch, options, step, chunk, device, handle, flops, peak)
+            record = _train_step(model, optimizer, batch, options, step, chunk, device, handle, flops, peak, indexer)
             nonfinite_run = nonfinite_run + 1 if record.skipped else 0
             nonfinite_total += int(record.skipped)
             record.nonfinite_total = nonfinite_total
@@ -172,6 +184,7 @@ def train(options: TrainOptions) -> list[dict]:
             if done == end or (options.save_every and done % options.save_every == 0):
                 _save(run_dir, done, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run)
     finally:
+        indexer.clear()
         progress.close()
         jsonl.close()
         tensorboard.close()
@@ -182,7 +195,7 @@ def train(options: TrainOptions) -> list[dict]:
     return records
 
 
-def _train_step(model, optimizer, batch_list, options, step, chunk, device, handle, flops, peak) -> StepRecord:
+def _train_step(model, optimizer, batch_list, options, step, chunk, device, handle, flops, peak, indexer) -> StepRecord:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize(device)
@@ -191,14 +204,18 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
     t0 = time.perf_counter()
     valid_count = sum(int(b.valid.sum()) for b in batch_list)
     total = torch.zeros((), dtype=torch.float32, device=device)
+    indexer.begin_step(step)
     for micro in batch_list:
-        hidden = model.hidden_states(micro.inputs)
-        weight = model.lm_head.weight
-        if options.memory.chunked_loss:
-            loss = chunked_lm_loss(hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=valid_count)
-        else:
-            loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=valid_count)
-        loss.backward()
+        indexer.micro_batch(1 / len(batch_list))
+        with indexer.forward_context():
+            hidden = model.hidden_states(micro.inputs)
+            weight = model.lm_head.weight
+            if options.memory.chunked_loss:
+                loss = chunked_lm_loss(hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=valid_count)
+            else:
+                loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=valid_count)
+        if indexer.backward_lm_loss():
+            loss.backward()
         total += loss.detach()
         del hidden, loss
     loss_value = float(total)
@@ -206,8 +223,9 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
     lr = lr_at(step, options.lr, options.warmup, options.steps, options.min_lr_ratio)
     skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
     if not skipped:
-        optimizer.step(lr, clip_scale(grad_norm, options.grad_clip))
+        optimizer.step(lr, clip_scale(grad_norm, options.grad_clip), only=indexer.update_only())
     optimizer.zero_grad()
+    indexer_metrics = indexer.end_step()
     if cuda:
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
@@ -230,6 +248,7 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
         reserved_gpu_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
         pinned_host_gib=_host_peak(handle),
         nonfinite_total=0,
+        **indexer_metrics,
     )
 
 

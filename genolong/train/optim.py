@@ -10,11 +10,17 @@ and those are exactly the tensors recompute keeps and offload moves; bf16 parame
 fp32 parameters (the CPU default) are their own master copy, so nothing is duplicated there.
 The update is done one parameter at a time, so the fp32 gradient copy of a bf16 parameter
 exists for one tensor at a time, never for the whole model.
+
+A step may update only some parameters (`step(..., only=names)`: the DSA indexer's warm-up,
+genolong/train/indexer.py). Each parameter then counts its own steps for Adam's bias
+correction, so the rest of the model starts its own updates later as if from step 1; when
+every step updates everything (the default) the counts equal the global one.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 
@@ -44,6 +50,7 @@ class MasterAdamW:
         self.exp_avg = {name: torch.zeros_like(m) for name, m in self.master.items()}
         self.exp_avg_sq = {name: torch.zeros_like(m) for name, m in self.master.items()}
         self.step_count = 0
+        self.param_steps = dict.fromkeys(self.params, 0)
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -62,15 +69,19 @@ class MasterAdamW:
         return math.sqrt(total.item()) if total is not None else 0.0
 
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW update at learning rate `lr`, gradients multiplied by `grad_scale` (clipping)."""
+    def step(self, lr: float, grad_scale: float = 1.0, only: Collection[str] | None = None) -> None:
+        """One AdamW update at learning rate `lr`, gradients multiplied by `grad_scale` (clipping);
+        `only`: the names of the parameters this step may update (None: all)."""
         self.step_count += 1
         b1, b2 = self.betas
-        bias1 = 1 - b1**self.step_count
-        bias2 = 1 - b2**self.step_count
         for name, p in self.params.items():
+            if only is not None and name not in only:
+                continue
+            self.param_steps[name] += 1
             if p.grad is None:
                 continue
+            bias1 = 1 - b1 ** self.param_steps[name]
+            bias2 = 1 - b2 ** self.param_steps[name]
             master, m, v = self.master[name], self.exp_avg[name], self.exp_avg_sq[name]
             g = p.grad.float()
             if grad_scale != 1.0:
@@ -89,6 +100,8 @@ class MasterAdamW:
         """Flat {name: tensor} (safetensors-ready); the step count is a 0-d tensor."""
         out: dict[str, torch.Tensor] = {"step": torch.tensor(self.step_count, dtype=torch.int64)}
         for name in self.params:
+            if self.param_steps[name] != self.step_count:
+                out[f"step.{name}"] = torch.tensor(self.param_steps[name], dtype=torch.int64)
             out[f"master.{name}"] = self.master[name]
             out[f"exp_avg.{name}"] = self.exp_avg[name]
             out[f"exp_avg_sq.{name}"] = self.exp_avg_sq[name]
@@ -101,6 +114,7 @@ class MasterAdamW:
             raise KeyError(f"optimizer state lacks {len(missing)} parameters, e.g. {missing[:3]}")
         self.step_count = int(state["step"])
         for name, p in self.params.items():
+            self.param_steps[name] = int(state.get(f"step.{name}", self.step_count))
             self.master[name].copy_(state[f"master.{name}"])
             self.exp_avg[name].copy_(state[f"exp_avg.{name}"])
             self.exp_avg_sq[name].copy_(state[f"exp_avg_sq.{name}"])

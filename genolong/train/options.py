@@ -12,6 +12,7 @@ ablation table can remove one at a time, and `MemoryOptions.baseline()` removes 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,13 @@ class TrainOptions:
     progress: bool = True
     tensorboard: bool = True
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    # The DSA indexer (genolong/train/indexer.py): 0 keeps it frozen, > 0 trains it with its KL loss
+    # at this weight; the first `indexer_warmup_steps` steps train only the indexer, against dense
+    # attention; every `indexer_recall_every` steps (0: never) log its recall on sampled queries.
+    indexer_loss_coeff: float = 0.0
+    indexer_warmup_steps: int = 0
+    indexer_recall_every: int = 0
+    indexer_recall_queries: int = 256
 
     @property
     def micro_batch(self) -> int:
@@ -171,8 +179,23 @@ class TrainOptions:
             PlantSpec.parse(self.planted_repeats).validate(window=self.seq_len + 1)
         if self.preset is None and self.model_path is None:
             raise GenolongError("give --preset NAME (train from scratch) or --model CKPT (fine-tune a checkpoint)")
+        self._validate_indexer()
         self.memory.validate()
         return self
+
+    def _validate_indexer(self) -> None:
+        coeff = self.indexer_loss_coeff
+        if not (math.isfinite(coeff) and coeff >= 0):
+            raise GenolongError(f"--indexer-loss-coeff must be a finite number >= 0 (0 keeps the indexer frozen), got {coeff}")
+        if self.indexer_warmup_steps < 0 or self.indexer_recall_every < 0:
+            raise GenolongError("--indexer-warmup-steps and --indexer-recall-every must be >= 0")
+        if self.indexer_warmup_steps and coeff == 0:
+            raise GenolongError(
+                f"--indexer-warmup-steps {self.indexer_warmup_steps} trains the indexer, but --indexer-loss-coeff is 0 "
+                "(frozen indexer); give --indexer-loss-coeff > 0 (e.g. 1.0)"
+            )
+        if self.indexer_recall_queries < 1:
+            raise GenolongError(f"--indexer-recall-queries must be >= 1, got {self.indexer_recall_queries}")
 
 
 def resolve_device(options: TrainOptions) -> str:

@@ -83,9 +83,11 @@ def _run(out, windows, models, **kw):
 
 
 def _direct(model, tokens):
+    """Per-target loss by the plainest route: all logits, renormalised over A, C, G, T (ids 0-3)."""
     with torch.no_grad():
         logits = model.hidden_states(torch.from_numpy(tokens.astype(np.int64))[None, :-1])[0].double()
-    return F.cross_entropy(logits, torch.from_numpy(tokens[1:].astype(np.int64)), reduction="none").numpy()
+    targets = torch.from_numpy(tokens[1:].astype(np.int64))
+    return F.cross_entropy(logits[:, :4], targets.masked_fill(targets > 3, -100), reduction="none").numpy()  # N: not scored
 
 
 def test_layout_refusals():
@@ -241,7 +243,7 @@ def test_command_end_to_end(world, monkeypatch, capsys, tmp_path):
     with torch.no_grad():
         def direct(tokens):
             ids = torch.from_numpy(tokens.astype(np.int64))[None]
-            return F.cross_entropy(model(ids[:, :-1]).logits[0].double(), ids[0, 1:], reduction="none").numpy()
+            return F.cross_entropy(model(ids[:, :-1]).logits[0, :, :4].double(), ids[0, 1:], reduction="none").numpy()
 
         planted, original = direct(p.tokens), direct(p.original)
     line = next(json.loads(x) for x in (out / PARTIAL_NAME).read_text().splitlines()[1:] if json.loads(x)["model"] == "checkpoint")

@@ -26,6 +26,14 @@ def _args(op):
         return (r(1, 8, 2, 512), r(1, 8, 512), idx[None]), {"scale": 0.1}
     if op == "dsa_indexer_topk":
         return (r(1, 16, 2, 32), r(1, 4, 32), r(1, 16, 2)), dict(kpool=4, topk_pools=2, always_select_tail=True, softmax_scale=0.2)
+    if op == "dsa_indexer_loss":
+        from genolong.model.dsa import sparse_attention_reference
+        from genolong.model.indexer import indexer_topk_reference
+
+        iq, pk, w, q, kv = r(1, 16, 2, 32), r(1, 4, 32), r(1, 16, 2), r(1, 16, 2, 64), r(1, 16, 64)
+        idx = indexer_topk_reference(iq, pk, w, kpool=4, topk_pools=2, always_select_tail=True, softmax_scale=0.2)
+        _, lse = sparse_attention_reference(q, kv, idx, scale=0.1, return_lse=True)
+        return (iq, pk, w, q, kv, idx, lse), dict(kpool=4, topk_pools=2, index_scale=0.2, scale=0.1, grad_scale=1.0)
     idx = torch.randint(0, 4, (6, 2), generator=g)
     return (r(6, 32), idx, torch.rand(6, 2, generator=g), r(4, 32, 32), r(4, 32, 16)), {"swiglu_limit": 10.0}
 
