@@ -51,7 +51,19 @@ def parser(description: str, **defaults) -> argparse.ArgumentParser:
                    help="hold out E. coli from this base on (an interval split, for windows longer than lambda's 48.5 kb)")
     p.add_argument("--init-from", default=None,
                    help="start the arm from this model (a finetune run = its latest checkpoint, or a model directory) instead of "
-                   "the preset's seeded initialisation, e.g. a short-window stage shared by the arms")
+                   "the preset's seeded initialisation")
+    short = p.add_argument_group("short stage", "a first stage on short windows, trained once and shared by the arms (arm 'short', "
+                                 "frozen indexer): there the sparse layers' selection covers much of each window, so attention can "
+                                 "learn to find a copy's first occurrence before the arms extend to long windows")
+    short.add_argument("--short-steps", type=int, default=0, help="0: no short stage")
+    short.add_argument("--short-seq", default="128")
+    short.add_argument("--short-batch", type=int, default=8)
+    short.add_argument("--short-len", type=int, default=32)
+    short.add_argument("--short-min-dist", default="32")
+    short.add_argument("--short-max-dist", default="95")
+    short.add_argument("--short-per-window", type=int, default=2)
+    short.add_argument("--short-lr", type=float, default=3e-3)
+    short.add_argument("--short-warmup", type=int, default=50)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--preset-overrides", default="{}", help='JSON for get_preset, e.g. \'{"num_layers": 8}\'')
     p.add_argument("--seq", default="2k", help="training window (tokens)")
@@ -127,11 +139,13 @@ def prepare_data(args, out: Path, log: Log) -> Path:
     return data
 
 
+def model_dir(path: Path) -> Path:
+    """A finetune run's latest checkpoint model, or the model directory itself."""
+    latest = ckpt_io.latest(path) if (path / ckpt_io.CHECKPOINTS).is_dir() else None
+    return latest / ckpt_io.MODEL_DIR if latest else path
+
+
 def initial_model(args, out: Path, log: Log) -> Path:
-    if args.init_from:
-        source = Path(args.init_from)
-        latest = ckpt_io.latest(source) if (source / ckpt_io.CHECKPOINTS).is_dir() else None
-        return latest / ckpt_io.MODEL_DIR if latest else source
     init = out / "init"
     if not (init / "config.json").exists():
         overrides = json.loads(args.preset_overrides)
@@ -143,6 +157,26 @@ def initial_model(args, out: Path, log: Log) -> Path:
         shown = f"{args.preset} {json.dumps(overrides)}" if overrides else args.preset
         log(f"initial model {shown}: {n:,} parameters -> {init}")
     return init
+
+
+def short_stage_args(args) -> argparse.Namespace:
+    """The arm options of the shared short stage: the short-* values, a frozen indexer, no budget chunks."""
+    return argparse.Namespace(**{
+        **vars(args),
+        "arm": "short",
+        "steps": args.short_steps,
+        "seq": args.short_seq,
+        "batch": args.short_batch,
+        "length": args.short_len,
+        "min_dist": args.short_min_dist,
+        "max_dist": args.short_max_dist,
+        "per_window": args.short_per_window,
+        "lr": args.short_lr,
+        "warmup": args.short_warmup,
+        "indexer_loss_coeff": 0.0,
+        "indexer_warmup_steps": None,
+        "budget_s": None,
+    })
 
 
 def arm_options(args, data: Path, init: Path, run: Path) -> TrainOptions:
@@ -261,7 +295,7 @@ def evaluate_arms(args, out: Path, data: Path, init: Path, log: Log) -> dict:
     """eval-recall of the initial model and every arm recorded in OUT whose run is still in WORK."""
     from genolong.cli import app
 
-    records = [json.loads(p.read_text()) for p in sorted(out.glob("*/arm.json"))]
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*/arm.json"), key=lambda p: (p.parent.name != "short", p.parent.name))]
     records = [r for r in records if ckpt_io.latest(Path(r["run"])) is not None]
     eval_dir = out / "eval"
     argv = ["eval-recall", "--data", str(data), "--baseline", str(init), "--out", str(eval_dir), "--overwrite", "--no-progress",
@@ -295,7 +329,14 @@ def main(args) -> int:
     try:
         data = prepare_data(args, work, log)
         init = initial_model(args, work, log)
-        options = arm_options(args, data, init, work / args.arm)
+        start = model_dir(Path(args.init_from)) if args.init_from else init
+        if args.short_steps:
+            short = short_stage_args(args)
+            options = arm_options(short, data, start, work / short.arm)
+            options.validate()
+            train_arm(short, options, out / short.arm, log)
+            start = model_dir(work / short.arm)
+        options = arm_options(args, data, start, work / args.arm)
         options.validate()
         train_arm(args, options, out / args.arm, log)
         if not args.no_eval:
