@@ -20,4 +20,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recall_experiment import main, parser  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(parser(__doc__.splitlines()[0], threads=1).parse_args()))
+    sys.exit(main(parser(__doc__.splitlines()[0], threads=1, short_steps=1500, steps=300, lr=1e-3, warmup=20).parse_args()))

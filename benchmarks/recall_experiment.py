@@ -52,9 +52,10 @@ def parser(description: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None,
                    help="start the arm from this model (a finetune run = its latest checkpoint, or a model directory) instead of "
                    "the preset's seeded initialisation")
-    short = p.add_argument_group("short stage", "a first stage on short windows, trained once and shared by the arms (arm 'short', "
-                                 "frozen indexer): there the sparse layers' selection covers much of each window, so attention can "
-                                 "learn to find a copy's first occurrence before the arms extend to long windows")
+    short = p.add_argument_group("short stage", "a first stage of each arm on short windows (recorded as arm 'ARM-short', with the "
+                                 "arm's --indexer-loss-coeff; its warm-up steps belong to the long stage): there the sparse layers' "
+                                 "selection covers much of each window, so attention can learn to find a copy's first occurrence "
+                                 "before the arm extends to long windows")
     short.add_argument("--short-steps", type=int, default=0, help="0: no short stage")
     short.add_argument("--short-seq", default="128")
     short.add_argument("--short-batch", type=int, default=8)
@@ -160,10 +161,10 @@ def initial_model(args, out: Path, log: Log) -> Path:
 
 
 def short_stage_args(args) -> argparse.Namespace:
-    """The arm options of the shared short stage: the short-* values, a frozen indexer, no budget chunks."""
+    """The arm's short stage: the short-* values, the arm's indexer coefficient, no warm-up, no budget chunks."""
     return argparse.Namespace(**{
         **vars(args),
-        "arm": "short",
+        "arm": f"{args.arm}-short",
         "steps": args.short_steps,
         "seq": args.short_seq,
         "batch": args.short_batch,
@@ -173,7 +174,6 @@ def short_stage_args(args) -> argparse.Namespace:
         "per_window": args.short_per_window,
         "lr": args.short_lr,
         "warmup": args.short_warmup,
-        "indexer_loss_coeff": 0.0,
         "indexer_warmup_steps": None,
         "budget_s": None,
     })
@@ -295,7 +295,7 @@ def evaluate_arms(args, out: Path, data: Path, init: Path, log: Log) -> dict:
     """eval-recall of the initial model and every arm recorded in OUT whose run is still in WORK."""
     from genolong.cli import app
 
-    records = [json.loads(p.read_text()) for p in sorted(out.glob("*/arm.json"), key=lambda p: (p.parent.name != "short", p.parent.name))]
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*/arm.json"))]
     records = [r for r in records if ckpt_io.latest(Path(r["run"])) is not None]
     eval_dir = out / "eval"
     argv = ["eval-recall", "--data", str(data), "--baseline", str(init), "--out", str(eval_dir), "--overwrite", "--no-progress",
