@@ -40,7 +40,6 @@ from genolong.errors import GenolongError
 from genolong.eval.positional import ModelScorer, WindowScore
 from genolong.eval.store import PartialResults
 from genolong.units import format_length
-from genolong.vocab import N_ID
 
 # Axis 1 of RecallLayout's per-window sums.
 KINDS = ("copy", "first", "null")
@@ -110,8 +109,7 @@ def score_planted(scorer: ModelScorer, planted: PlantedWindow, layout: RecallLay
         sums[i, 0] = with_copies[c.dest + offsets - 1]
         sums[i, 1] = with_copies[c.source + offsets - 1]
         sums[i, 2] = original[c.dest + offsets - 1]
-        # Planting never uses N bases; the check keeps the counts honest if that rule changes.
-        counts[i] = planted.tokens[c.dest + offsets] != N_ID
+        counts[i] = 1  # planting never uses N bases, so every copy base is scored
     return WindowScore(sums=sums, counts=counts)
 
 

@@ -2,7 +2,6 @@
 stand-in models whose use of context is known, resume, and the command end to end."""
 
 import csv
-import dataclasses
 import json
 import math
 
@@ -280,30 +279,32 @@ def test_bad_input_is_one_clear_line(world, monkeypatch, capsys, tmp_path, extra
 
 @pytest.mark.slow
 def test_cpu_experiment_runs_the_frozen_arm(tmp_path):
-    """benchmarks/recall_cpu.py, reduced: train the frozen arm on planted repeats, evaluate it
-    beside the initial model, record timings; the trained arm is refused until its option exists."""
+    """benchmarks/recall_cpu.py, reduced: the frozen arm's short and long stages on planted repeats,
+    evaluated beside the initial model, with timings."""
     import subprocess
     import sys
     from pathlib import Path
 
-    from genolong.train.options import TrainOptions
-
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "recall_cpu.py"
     common = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--seq", "256", "--len", "32",
-              "--min-dist", "32", "--max-dist", "200", "--per-window", "3", "--steps", "30", "--warmup", "5",
+              "--min-dist", "32", "--max-dist", "200", "--per-window", "3", "--steps", "20", "--warmup", "5",
+              "--short-steps", "4", "--short-batch", "2",
               "--eval-distances", "32,200", "--eval-len", "32", "--eval-skip", "8", "--eval-windows", "6", "--bootstrap", "100"]
     run = subprocess.run([sys.executable, str(script), *common, "--arm", "frozen"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     arm = results["arms"]["frozen"]
-    assert arm["steps"] == 30 and arm["options"]["planted_repeats"] == "len=32,min-dist=32,max-dist=200,per-window=3"
+    assert arm["steps"] == 20 and arm["options"]["planted_repeats"] == "len=32,min-dist=32,max-dist=200,per-window=3"
+    short = results["arms"]["frozen-short"]
+    assert short["steps"] == 4 and short["options"]["seq_len"] == 128 and short["options"]["batch"] == 2
+    # The arm starts from its short stage's last checkpoint.
+    assert arm["options"]["model_path"].startswith(str(tmp_path / "work" / "frozen-short"))
     assert arm["final_loss"] < arm["first_loss"] and arm["train_process_cpu_s"] > 0
     for model in (arm["recall"], results["initial_model"]):
         assert [len(model[k]) for k in ("copy_bits", "first_bits", "null_bits", "recall")] == [2, 2, 2, 2]
     # A random model has no memory to speak of: its copy costs what the first occurrence did.
     assert all(abs(r["value"]) < 0.1 for r in results["initial_model"]["recall"])
     assert (tmp_path / "out" / "eval" / "recall.png").is_file() and (tmp_path / "out" / "frozen" / "metrics.jsonl").is_file()
-    if "indexer_loss_coeff" not in {f.name for f in dataclasses.fields(TrainOptions)}:
-        refused = subprocess.run([sys.executable, str(script), *common, "--arm", "trained", "--indexer-loss-coeff", "0.1"],
-                                 capture_output=True, text=True, timeout=300)
-        assert refused.returncode == 2 and "has no indexer_loss_coeff" in refused.stderr
+    refused = subprocess.run([sys.executable, str(script), *common, "--arm", "other", "--train-option", "no_such_field=1"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "TrainOptions has no no_such_field" in refused.stderr
