@@ -12,12 +12,13 @@ then, on any machine, one figure and table for both arms:
 
 Defaults and the time budget (docs/recall.md, "The GPU experiment"): glm53-mini keeps its
 45-layer pattern at 8 layers (6 KDA, 2 DSA selecting 2048 keys per query). Each arm first trains
-60 steps on 4k windows (16 per step), where the selection covers half of each window, so the
-sparse layers can learn to find a copy's first occurrence (and a trained indexer learns where they
-look), then on 64k windows with copies up to 48k back (one window per step). Estimated from
-benchmarks/RESULTS.md (45 layers: 4.1 s per 32k step, 14.3 s per 128k step, full recompute), a
-64k-token step of 8 layers without recompute takes ~1.2 s, so 60 + 120 steps are ~220 s after
-~100-240 s of start-up and kernel compilation (and ~35 s more for the second length).
+60 steps on 2k windows (32 per step), where sparse attention is dense (a window is no longer than
+the selection), so it can learn to find a copy's first occurrence anywhere (and a trained indexer
+learns where it looks); then on 64k windows with copies up to 48k back (one window per step),
+where the selection holds 3% of the keys. Estimated from benchmarks/RESULTS.md (45 layers: 4.1 s
+per 32k step, 14.3 s per 128k step, full recompute), a 64k-token step of 8 layers without
+recompute takes ~1.2 s, so 60 + 120 steps are ~220 s after ~100-240 s of start-up and kernel
+compilation (and ~35 s more for the second length).
 --budget-s 540 trains the 64k stage in checkpointed chunks and stops early (recorded in
 arm.json) rather than lose the evaluation to the call's time limit. Data: E. coli 536 with its
 last 1.34 Mb held out (20 windows of 64k; lambda is shorter than one window).
@@ -43,11 +44,11 @@ GPU_DEFAULTS = {
     "lr": 1e-3,
     "warmup": 5,
     "short_steps": 60,
-    "short_seq": "4k",
-    "short_batch": 16,
+    "short_seq": "2k",
+    "short_batch": 32,
     "short_len": 64,
     "short_min_dist": "64",
-    "short_max_dist": "3968",
+    "short_max_dist": "1900",
     "short_per_window": 8,
     "short_lr": 1e-3,
     "short_warmup": 10,
