@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--out", default="train.json")
     p.add_argument("--ladder", default=None, help="ablation lengths (default 8k..512k); for a CPU smoke test")
+    p.add_argument("--compile", action="store_true", help="apply genolong.train.compile to the model (finetune --compile)")
     p.add_argument("--indexer-loss-coeff", type=float, default=0.0, help="> 0: every step also trains the DSA indexer (its KL loss)")
     args = p.parse_args(argv)
     if args.ladder:
@@ -89,6 +90,11 @@ def main(argv=None) -> int:
         results["kernel_error"] = repr(err)
         bench = Bench(args.preset, data, policy="auto", indexer_loss_coeff=args.indexer_loss_coeff)
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    compiled = None
+    if args.compile:
+        from genolong.train.compile import apply_compile
+
+        compiled = apply_compile(bench.model)
     results["params"] = sum(p.numel() for p in bench.model.parameters())
     full = MemoryOptions(host_budget_gib=args.host_budget_gib)
 
@@ -201,6 +207,8 @@ def main(argv=None) -> int:
             results["overfit"] = {"seq_len": n, "steps": len(losses), "first4": first, "last4": last, "drop": 1 - last / first}
         else:
             results["not_run"].append(f"overfit at {format_length(n)}: fewer than 8 steps fit the budget")
+    if compiled is not None:
+        results["compile"] = compiled.describe()
     save()
     print_summary(results)
     return 0

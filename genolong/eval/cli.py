@@ -55,7 +55,7 @@ def eval_positional(
         Optional[str], typer.Option(help="Ops policy: fused, auto or reference (default: fused on CUDA, reference on CPU).")
     ] = None,
     loss_chunk: Annotated[
-        Optional[int], typer.Option(help="Tokens per loss chunk (default: ~256 MiB of fp32 hidden states).")
+        Optional[str], typer.Option(help="Tokens per loss chunk, e.g. 2k or 4096, as in finetune (default: ~256 MiB of fp32 hidden states).")
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
@@ -90,7 +90,8 @@ def eval_positional(
     if not wanted:
         control = None
     layout = Layout(seq=seq_len, bucket=parse_length(bucket, "--bucket"), control=control, controls=wanted)
-    if loss_chunk is not None and loss_chunk < 1:
+    chunk = parse_length(loss_chunk, "--loss-chunk") if loss_chunk is not None else None
+    if chunk is not None and chunk < 1:
         raise GenolongError(f"--loss-chunk must be at least 1, got {loss_chunk}")
     if markov_max_order < 0:
         raise GenolongError(f"--markov-max-order must be 0 or more, got {markov_max_order}")
@@ -135,14 +136,13 @@ def eval_positional(
             f"(records: {', '.join(f'{n} {length:,} bp' for n, length in holdout)}): use a smaller --seq or a larger --max-n-fraction"
         )
 
-
     def make_scorer(role: str) -> ModelScorer:
         model = models.load(resolved[role], dtypes[dtype_name], dev)
         # As in training, MoE runs over the sequence in chunks: uneven real routing must not
         # spike memory at 512k (seed optimization 8). Recompute and offload only matter with a
         # backward pass, and there is none here.
         apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
-        return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=loss_chunk)
+        return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=chunk)
 
     settings = Settings(
         layout=layout,

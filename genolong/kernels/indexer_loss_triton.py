@@ -158,11 +158,9 @@ def index_backward(index_q, pool_keys, head_weights, indices, dlogits, d_index_q
 
 def aot_compile(heads: int, latent: int, index_heads: int, index_dim: int, kpool: int, topk_pools: int, arch: int = 90) -> dict:
     """Compile the three kernels for a GPU architecture without a GPU (the CPU compile check), bf16
-    inputs: {name: compiled kernel}."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    inputs, specialised as the JIT specialises their launches (genolong.kernels.aot): {name: compiled kernel}."""
+    from genolong.kernels import aot
 
-    target = GPUTarget("cuda", arch, 32)
     dp = _pow2(latent, 16)
     mass_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "lse_ptr": "*fp32", "out_ptr": "*fp32", "n_sel": "i32",
                 "dim": "i32", "scale": "fp32", **dict.fromkeys(("stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_lt", "stride_ot"), "i32")}
@@ -180,6 +178,6 @@ def aot_compile(heads: int, latent: int, index_heads: int, index_dim: int, kpool
         "index_backward": (_index_backward_kernel, backward_sig, backward_const),
     }
     return {
-        name: triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const), target=target, options={"num_warps": 4})
+        name: aot.build(fn, sig, const, num_warps=4, arch=arch)
         for name, (fn, sig, const) in builds.items()
     }

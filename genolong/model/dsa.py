@@ -25,6 +25,7 @@ from genolong.model.indexer import Indexer
 from genolong.model.indexer_loss import DENSE, IndexerLossSwitch, attach_indexer_loss, dense_warmup
 from genolong.model.indexer_recall import RecallProbe
 from genolong.model.norms import RMSNorm
+from genolong.model.piece import SequencePiece
 
 # Upper bound on gathered-latent elements per query chunk in the reference.
 _GATHER_ELEMENTS = 1 << 24
@@ -92,13 +93,22 @@ class DSAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(-1, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_head_dim], w[:, self.qk_head_dim :]
 
-    def forward(self, x: torch.Tensor, topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, topk: torch.Tensor | None = None, *, piece: SequencePiece | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B,T,hidden] -> (output [B,T,hidden], the top-k indices used). `topk` is required
-        exactly when this layer has no indexer of its own."""
+        exactly when this layer has no indexer of its own.
+
+        `piece` (context parallelism, genolong/model/piece.py): x holds the tokens at positions
+        piece.offset + [0, T) of longer sequences. The queries stay this piece's; the keys (the
+        latent and the indexer's pooled keys) are gathered over the whole sequence, so the
+        selections and outputs are those of the whole-sequence layer for these queries."""
         batch, seq = x.shape[:2]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(batch, seq, -1, self.qk_head_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        if piece is not None:
+            latent = piece.gather(latent)
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.einsum("bthd,hdl->bthl", q, w_uk)
         switch = self.indexer_loss if self.indexer is not None else None
@@ -108,11 +118,15 @@ class DSAAttention(nn.Module):
                     f"layer {self.layer_idx}: a shared-indexer DSA layer needs the previous full layer's top-k"
                 )
         elif switch is not None and switch.mode == DENSE:
-            topk = dense_warmup(self.indexer, x, q_resid, q_latent, latent, scale=self.scale, switch=switch)
-        else:
+            topk = dense_warmup(self.indexer, x, q_resid, q_latent, latent, scale=self.scale, switch=switch, piece=piece)
+        elif piece is None:  # (a tensor-parallel indexer overrides forward(x, q_resid) without a piece)
             topk = self.indexer(x, q_resid)
+        else:
+            topk = self.indexer(x, q_resid, piece=piece)
         if self.recall_probe is not None and self.indexer is not None:
-            self.recall_probe.measure(self.layer_idx, q_latent, latent, topk, scale=self.scale, width=self.indexer.cfg.width)
+            self.recall_probe.measure(
+                self.layer_idx, q_latent, latent, topk, scale=self.scale, width=self.indexer.cfg.width, piece=piece
+            )
         # The sparse indexer loss needs the attention's lse, and a backward to run in.
         sparse_loss = switch is not None and switch.mode != DENSE and torch.is_grad_enabled()
         if sparse_loss:
@@ -122,5 +136,7 @@ class DSAAttention(nn.Module):
         o = torch.einsum("bthl,hvl->bthv", o_latent, w_uv).reshape(batch, seq, -1)
         out = self.o_proj(o)
         if sparse_loss:
-            out = attach_indexer_loss(out, self.indexer, x, q_resid, q_latent, latent, topk, lse, scale=self.scale, switch=switch)
+            out = attach_indexer_loss(
+                out, self.indexer, x, q_resid, q_latent, latent, topk, lse, scale=self.scale, switch=switch, piece=piece
+            )
         return out, topk

@@ -173,11 +173,15 @@ def dense_target(q, kv, t0: int, *, scale: float, kpool: int) -> tuple[torch.Ten
     return normalise(mass * valid), valid
 
 
-def indexer_dense_loss(index_q, pool_keys, head_weights, q, kv, *, kpool: int, index_scale: float, scale: float, grad_scale: float):
+def indexer_dense_loss(
+    index_q, pool_keys, head_weights, q, kv, *, kpool: int, index_scale: float, scale: float, grad_scale: float,
+    query_offset: int = 0,
+):
     """The dense warm-up's KL per query and its gradient (same return as `indexer_loss_reference`).
 
-    O(T^2 (H Dl + Hi Di)) work: meant for short contexts. Chunked over queries so that the largest
-    tensor is [B, chunk, H, T] scores, never [T x T].
+    The queries sit at positions query_offset + [0, T) of the sequence kv and pool_keys cover (a
+    piece of it under context parallelism). O(T^2 (H Dl + Hi Di)) work: meant for short contexts.
+    Chunked over queries so that the largest tensor is [B, chunk, H, T] scores, never [T x T].
     """
     batch, seq, heads, _ = q.shape
     n_pools = pool_keys.shape[1]
@@ -190,7 +194,7 @@ def indexer_dense_loss(index_q, pool_keys, head_weights, q, kv, *, kpool: int, i
     kv_wide = kv.to(wide(q.dtype))  # once, not once per query chunk
     for t0 in range(0, seq, step):
         t1 = min(seq, t0 + step)
-        target, valid = dense_target(q[:, t0:t1], kv_wide, t0, scale=scale, kpool=kpool)
+        target, valid = dense_target(q[:, t0:t1], kv_wide, query_offset + t0, scale=scale, kpool=kpool)
         visible = min(valid.shape[-1], n_pools)
         kl[:, t0:t1], d_iq[:, t0:t1], pk, d_w[:, t0:t1] = kl_and_grads(
             index_q[:, t0:t1], pool_keys, head_weights[:, t0:t1], None, valid[..., :visible], target[..., :visible],
@@ -233,13 +237,15 @@ class IndexerLossSwitch:
 LOSS_QUERY_CHUNK = 32768
 
 
-def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: float, grad_scale: float):
+def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: float, grad_scale: float, piece=None):
     """The sparse KL of one layer and the gradient of grad_scale * its sum for every parameter of
     `indexer` (None where unused) -> (KL summed over queries, [gradients]).
 
     The projections are recomputed here from the layer's (detached) x and q_resid, the queries'
     in chunks of LOSS_QUERY_CHUNK: nothing of the indexer is kept from the forward, and the largest
-    indexer tensor alive is one chunk's, plus the pooled keys' small graph.
+    indexer tensor alive is one chunk's, plus the pooled keys' small graph. With a `piece` (context
+    parallelism) the pooled keys are the whole sequence's, gathered with their gradient going back
+    to each piece's own pools; kv and indices are already the whole sequence's.
     """
     cfg, params = indexer.cfg, list(indexer.parameters())
     grads: list[torch.Tensor | None] = [None] * len(params)
@@ -251,6 +257,8 @@ def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: fl
 
     with torch.enable_grad():
         pool_keys = indexer.pool_keys(x)
+        if piece is not None:
+            pool_keys = piece.gather(pool_keys)
     d_pool_keys = torch.zeros(pool_keys.shape, dtype=wide(pool_keys.dtype), device=pool_keys.device)
     kl_sum = 0.0
     for t0 in range(0, q.shape[1], LOSS_QUERY_CHUNK):
@@ -278,43 +286,57 @@ class _AttachIndexerLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, x, q_resid, q, kv, indices, lse, spec, *params):
         ctx.save_for_backward(x, q_resid, q, kv, indices, lse)
-        indexer, scale, switch = spec
-        n_queries = q.shape[0] * q.shape[1]
-        ctx.spec = (indexer, scale, switch, n_queries, switch.grad_scale(n_queries))
+        indexer, scale, switch, piece = spec
+        n_queries = q.shape[0] * (q.shape[1] if piece is None else piece.length)
+        ctx.spec = (indexer, scale, switch, piece, n_queries, switch.grad_scale(n_queries))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, q_resid, q, kv, indices, lse = ctx.saved_tensors
-        indexer, scale, switch, n_queries, grad_scale = ctx.spec
-        kl_sum, grads = sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, scale=scale, grad_scale=grad_scale)
-        switch.record(indexer.layer_idx, kl_sum, n_queries)
+        indexer, scale, switch, piece, n_queries, grad_scale = ctx.spec
+        kl_sum, grads = sparse_loss_gradients(
+            indexer, x, q_resid, q, kv, indices, lse, scale=scale, grad_scale=grad_scale, piece=piece
+        )
+        switch.record(indexer.layer_idx, _over_pieces(kl_sum, piece), n_queries)
         return (grad_out, None, None, None, None, None, None, None, *grads)
 
 
-def attach_indexer_loss(out, indexer, x, q_resid, q, kv, indices, lse, *, scale: float, switch: IndexerLossSwitch):
+def attach_indexer_loss(
+    out, indexer, x, q_resid, q, kv, indices, lse, *, scale: float, switch: IndexerLossSwitch, piece=None
+):
     """`out` unchanged; in backward, coeff * the sparse KL's gradient reaches `indexer`'s parameters.
-    Its inputs are detached here: the KL trains the indexer and nothing upstream of it."""
+    Its inputs are detached here: the KL trains the indexer and nothing upstream of it.
+
+    With a `piece` (genolong/model/piece.py) x, q_resid, q and indices are this piece's queries, kv
+    the whole sequence's; the KL is normalised over the whole sequence's queries and the recorded
+    value is summed over the pieces, so every piece records the layer's mean."""
     return _AttachIndexerLoss.apply(
-        out, x.detach(), q_resid.detach(), q.detach(), kv.detach(), indices, lse.detach(), (indexer, scale, switch),
+        out, x.detach(), q_resid.detach(), q.detach(), kv.detach(), indices, lse.detach(), (indexer, scale, switch, piece),
         *indexer.parameters(),
     )
 
 
-def dense_warmup(indexer, x, q_resid, q, kv, *, scale: float, switch: IndexerLossSwitch) -> torch.Tensor:
-    """Warm-up: the dense KL's gradient goes into the indexer's .grad now; returns the top-k."""
+def _over_pieces(value: torch.Tensor, piece) -> torch.Tensor:
+    return value if piece is None else piece.total(value.detach())
+
+
+def dense_warmup(indexer, x, q_resid, q, kv, *, scale: float, switch: IndexerLossSwitch, piece=None) -> torch.Tensor:
+    """Warm-up: the dense KL's gradient goes into the indexer's .grad now; returns the top-k.
+    `piece`: as `attach_indexer_loss` (kv is the whole sequence's)."""
     if torch.is_grad_enabled():
         raise GenolongError(
             "the dense indexer warm-up trains only the indexer: run the model forward under torch.no_grad() "
             "(genolong.train.indexer does), or use the sparse indexer loss"
         )
+    offset = 0 if piece is None else piece.offset
     with torch.enable_grad():
-        proj = indexer.project(x, q_resid)
-    n_queries = q.shape[0] * q.shape[1]
+        proj = indexer.project(x, q_resid, piece)
+    n_queries = q.shape[0] * (q.shape[1] if piece is None else piece.length)
     kl, *grads = indexer_dense_loss(
         *proj, q, kv, kpool=indexer.cfg.kpool, index_scale=indexer.softmax_scale, scale=scale,
-        grad_scale=switch.grad_scale(n_queries),
+        grad_scale=switch.grad_scale(n_queries), query_offset=offset,
     )
     torch.autograd.backward(list(proj), grads)
-    switch.record(indexer.layer_idx, kl.sum(), n_queries)
-    return indexer.select(proj)
+    switch.record(indexer.layer_idx, _over_pieces(kl.sum(), piece), n_queries)
+    return indexer.select(proj, query_offset=offset)

@@ -24,18 +24,20 @@ def sample_queries(seq: int, width: int, n: int, device=None) -> torch.Tensor:
 
 @torch.no_grad()
 def selection_recall(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, positions: torch.Tensor, *, scale: float,
-                     key_block: int | None = None) -> torch.Tensor:
+                     key_block: int | None = None, query_offset: int = 0) -> torch.Tensor:
     """Per sampled query, the dense attention mass on its selected keys, averaged over heads.
 
     q [B,T,H,Dl], kv [B,T,Dl] (keys = values = the latent), indices [B,T,W], positions long [n]
+    (q and indices hold the queries at positions query_offset + [0, T): a piece of the sequence kv
+    covers, under context parallelism)
     -> fp32 [B, n] in [0, 1]. One pass over blocks of keys with a running max (online softmax):
     the largest tensors are one block's [B, n, H, block] scores and its keys in fp32.
     """
     batch, _, heads, _ = q.shape
     n = positions.numel()
     dtype = torch.promote_types(q.dtype, torch.float32)
-    queries = q[:, positions].to(dtype)  # [B, n, H, Dl]
-    idx = indices[:, positions].long()  # [B, n, W]
+    queries = q[:, positions - query_offset].to(dtype)  # [B, n, H, Dl]
+    idx = indices[:, positions - query_offset].long()  # [B, n, W]
     block = key_block or max(1, _SCORE_ELEMENTS // max(1, batch * n * heads))
     top = torch.full((batch, n, heads), float("-inf"), dtype=dtype, device=q.device)
     total = torch.zeros_like(top)
@@ -66,8 +68,20 @@ class RecallProbe:
         self.n_queries = n_queries
         self.values: dict[int, float] = {}
 
-    def measure(self, layer_idx: int, q, kv, indices, *, scale: float, width: int) -> None:
+    def measure(self, layer_idx: int, q, kv, indices, *, scale: float, width: int, piece=None) -> None:
         if layer_idx in self.values:
             return
-        positions = sample_queries(q.shape[1], width, self.n_queries, device=q.device)
-        self.values[layer_idx] = float(selection_recall(q, kv, indices, positions, scale=scale).mean())
+        if piece is None:
+            positions = sample_queries(q.shape[1], width, self.n_queries, device=q.device)
+            self.values[layer_idx] = float(selection_recall(q, kv, indices, positions, scale=scale).mean())
+            return
+        # A piece of the sequence (context parallelism): the whole sequence's sample, each piece
+        # measuring the sampled queries it holds; the mean is taken over all pieces.
+        positions = sample_queries(piece.length, width, self.n_queries, device=q.device)
+        positions = positions[(positions >= piece.offset) & (positions < piece.offset + q.shape[1])]
+        total = torch.zeros(2, dtype=torch.float64, device=q.device)
+        if positions.numel():
+            recall = selection_recall(q, kv, indices, positions, scale=scale, query_offset=piece.offset)
+            total[0], total[1] = recall.double().sum(), recall.numel()
+        total = piece.total(total)
+        self.values[layer_idx] = float(total[0] / total[1])

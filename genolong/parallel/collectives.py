@@ -7,11 +7,13 @@ and leave the gradient bookkeeping to autograd:
 | forward                          | backward                          | used by                       |
 |----------------------------------|-----------------------------------|-------------------------------|
 | `gather_along` (all-gather)      | reduce-scatter (sum)              | CP: latent / pooled keys; SP  |
+| `gather_along_replicated` (all-gather) | this rank's slice (no sum)  | SP: the final hidden states   |
 | `scatter_sum_along` (reduce-scatter) | all-gather                    | SP: row-parallel outputs      |
 | `all_to_all_along` (swap dims)   | the inverse all-to-all            | Ulysses head split            |
 | `reduce_sum` (all-reduce)        | identity                          | TP: row-parallel without SP   |
 | `copy_to` (identity)             | all-reduce                        | TP: column-parallel inputs    |
 | `exchange` (uneven all-to-all)   | the reverse exchange              | EP: token dispatch / combine  |
+| `from_previous_rank` (halo)      | sent back to the previous rank    | CP: the KDA short conv's halo |
 
 Shards along `dim` are equal-sized except in `exchange`. Tensors are made contiguous with the
 gathered dimension outermost before a collective, because NCCL and gloo move flat buffers.
@@ -79,6 +81,18 @@ class _Gather(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
+class _GatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = _size(ctx.group)
+        return grad.chunk(n, ctx.dim)[dist.get_rank(ctx.group)].contiguous(), None, None
+
+
 class _ScatterSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -129,6 +143,28 @@ class _CopyTo(torch.autograd.Function):
         return grad, None
 
 
+class _FromPrevious(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _neighbour(x, group, step=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _neighbour(grad, ctx.group, step=+1), None
+
+
+def _neighbour(x: torch.Tensor, group, step: int) -> torch.Tensor:
+    """The x of rank (this rank + step), zeros where that rank does not exist. An all-gather
+    underneath: meant for halos of a few tokens, where a collective beats two point-to-point calls."""
+    n = _size(group)
+    if n == 1:
+        return torch.zeros_like(x)
+    everyone = _all_gather(x.unsqueeze(0), 0, group)  # every rank takes part, even one that keeps nothing
+    source = dist.get_rank(group) + step
+    return everyone[source].contiguous() if 0 <= source < n else torch.zeros_like(x)
+
+
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send_counts, recv_counts, group):
@@ -155,6 +191,13 @@ def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _Gather.apply(x, dim, group)
 
 
+def gather_along_replicated(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All ranks' equal shards of `dim`, for a computation every rank then repeats identically (the
+    loss after the last sequence-parallel layer): each rank's incoming gradient is already the
+    whole one, so the backward keeps this rank's slice instead of summing over ranks."""
+    return _GatherReplicated.apply(x, dim, group)
+
+
 def scatter_sum_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The sum over ranks of x, of which each rank keeps its shard of `dim`; the gradient is all-gathered."""
     return _ScatterSum.apply(x, dim, group)
@@ -173,6 +216,12 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward, all-reduce (sum) backward: the input of a column-parallel product."""
     return _CopyTo.apply(x, group)
+
+
+def from_previous_rank(x: torch.Tensor, group) -> torch.Tensor:
+    """The previous rank's x (zeros on the first rank); every rank must pass the same shape. The
+    gradient goes back to the rank that sent it (context parallelism: the short conv's halo)."""
+    return _FromPrevious.apply(x, group)
 
 
 def exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:

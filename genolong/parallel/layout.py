@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from genolong.errors import GenolongError
 
 DIMENSIONS = ("dp", "cp", "tp", "ep")
+# How context parallelism splits KDA layers (genolong/parallel/context_kda.py): by passing the
+# recurrent state between ranks, or by a Ulysses head split (each rank its heads, whole sequence);
+# "auto": Ulysses where the KDA heads divide by cp (the faster where both were measured,
+# docs/parallel.md), else state passing.
+KDA_MODES = ("auto", "state", "ulysses")
 # KDA's chunked kernels work in blocks of 64 tokens; a cp shard boundary inside a block or
 # inside an indexer pool would split work that one rank must own.
 KDA_CHUNK = 64
@@ -89,11 +94,12 @@ def check_layout(
     seq_len: int,
     batch: int,
     world_size: int | None = None,
+    kda_mode: str = "auto",
 ) -> None:
     """Raise a one-line GenolongError for the first rule `layout` breaks for this model and run.
 
     config: a genolong.model.config.ModelConfig; world_size: the number of processes started
-    (None when only planning)."""
+    (None when only planning); kda_mode: how cp splits KDA layers (KDA_MODES)."""
     if world_size is not None and layout.world_size != world_size:
         raise GenolongError(
             f"--parallel {layout} needs {layout.world_size} processes but {world_size} were started; "
@@ -106,6 +112,7 @@ def check_layout(
                     f"--parallel tp={layout.tp}: the model's {heads} {what} heads do not split evenly over {layout.tp} ranks; "
                     f"use a tp that divides {heads}"
                 )
+    check_kda_mode(layout, config, kda_mode)
     if layout.ep > 1 and "moe" not in config.mlp_types:
         raise GenolongError(f"--parallel ep={layout.ep}: this model has no MoE layer to split; drop ep")
     if layout.ep > 1:
@@ -128,6 +135,27 @@ def check_layout(
             f"--batch {batch} sequences per step do not split over {layout.data_parallel} data-parallel rank(s) (dp x ep); "
             f"use a --batch that is a multiple of {layout.data_parallel}"
         )
+
+
+def check_kda_mode(layout: ParallelLayout, config, kda_mode: str) -> None:
+    """The KDA split must be known, and the Ulysses split needs the KDA heads to divide by cp."""
+    if kda_mode not in KDA_MODES:
+        raise GenolongError(
+            f"KDA context-parallel mode {kda_mode!r} is not one of {', '.join(KDA_MODES)}; use 'auto' (the default), 'state' or 'ulysses'"
+        )
+    heads = config.kda.num_heads
+    if kda_mode == "ulysses" and layout.cp > 1 and "kda" in config.layer_types and heads % layout.cp:
+        raise GenolongError(
+            f"--parallel cp={layout.cp} with the Ulysses KDA split: the model's {heads} KDA heads do not split evenly "
+            f"over {layout.cp} ranks; use a cp that divides {heads}, or the state-passing KDA mode"
+        )
+
+
+def resolve_kda_mode(config, cp: int, kda_mode: str) -> str:
+    """The KDA mode that runs: "auto" is "ulysses" when the KDA heads divide by cp, else "state"."""
+    if kda_mode != "auto":
+        return kda_mode
+    return "ulysses" if config.kda.num_heads % cp == 0 else "state"
 
 
 def _gcd(a: int, b: int) -> int:

@@ -119,10 +119,12 @@ class TrainOptions:
     max_nonfinite: int = 5  # stop after this many consecutive non-finite steps
     stop_after: int | None = None  # end this invocation after N steps (checkpointed; resume later)
     resume: bool = False  # continue the run in `out` from its latest complete checkpoint
+    overwrite: bool = False  # replace an earlier run in `out` (a genolong run or an empty directory)
     launcher: str = "local"
     ray_address: str | None = None
     progress: bool = True
     tensorboard: bool = True
+    compile: bool = False  # torch.compile the small ops (mHC, norms, router, SwiGLU; genolong.train.compile)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     # The DSA indexer (genolong/train/indexer.py): 0 keeps it frozen, > 0 trains it with its KL loss
     # at this weight; the first `indexer_warmup_steps` steps train only the indexer, against dense
@@ -177,6 +179,8 @@ class TrainOptions:
             from genolong.data.planted import PlantSpec
 
             PlantSpec.parse(self.planted_repeats).validate(window=self.seq_len + 1)
+        if self.resume and self.overwrite:
+            raise GenolongError("--resume and --overwrite exclude each other: --resume continues the run, --overwrite replaces it")
         if self.preset is None and self.model_path is None:
             raise GenolongError("give --preset NAME (train from scratch) or --model CKPT (fine-tune a checkpoint)")
         self._validate_indexer()

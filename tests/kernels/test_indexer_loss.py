@@ -135,9 +135,12 @@ def test_triton_kernels_compile_for_sm90_without_spills(shape):
     # only checked by a real compile, which needs no GPU.
     from genolong.kernels import indexer_loss_triton
 
+    from genolong.kernels import aot
+
     kernels = indexer_loss_triton.aot_compile(*shape, kpool=4, topk_pools=512)
     for name, kernel in kernels.items():
         ptx = kernel.asm["ptx"]
         assert "mma" in ptx, f"{name}: the products do not run on tensor cores"
         assert ".local" not in ptx, f"{name}: registers spill to local memory"
+        assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, f"{name}: {kernel.metadata.shared} bytes of shared memory"
     assert "atom" in kernels["index_backward"].asm["ptx"]

@@ -24,6 +24,8 @@ def _args(op):
     if op == "dsa_sparse_attention":
         idx = torch.tril(torch.ones(8, 8, dtype=torch.int32)).cumsum(-1).sub(1).masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), -1)
         return (r(1, 8, 2, 512), r(1, 8, 512), idx[None]), {"scale": 0.1}
+    if op == "kda_short_conv":
+        return (r(1, 8, 6), r(6, 4)), {}
     if op == "dsa_indexer_topk":
         return (r(1, 16, 2, 32), r(1, 4, 32), r(1, 16, 2)), dict(kpool=4, topk_pools=2, always_select_tail=True, softmax_scale=0.2)
     if op == "dsa_indexer_loss":
