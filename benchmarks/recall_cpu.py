@@ -15,6 +15,9 @@ as a dense transformer does (with the preset's top-k of 32 it saw a quarter of t
 64-1900 back), where the selection holds 6% of the keys: a copy 1.9k back is found only by a
 selection that looks for it. The three KDA layers can recall through their recurrent state,
 which fades and fills with distance.
+
+Outcome on 2026-12-01 (docs/recall.md, "CPU results"): neither arm learned to copy at any
+distance within these steps, so the arms did not differ; the GPU experiment is the real test.
 """
 
 import sys

@@ -88,6 +88,11 @@ def parser(description: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--eval-windows", type=int, default=23)
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--no-eval", action="store_true", help="train only")
+    p.add_argument("--eval-short-stages", action=argparse.BooleanOptionalAction, default=True,
+                   help="also score every arm's short stage (ARM-short)")
+    p.add_argument("--steps-like", default=None, metavar="ARM",
+                   help="train as many steps as arm ARM did (its OUT/ARM/arm.json and OUT/ARM-short/arm.json, where they "
+                   "exist), so that arms cut short by --budget-s are still compared at equal training")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds for the whole invocation: train in chunks of --chunk-steps and stop early (recorded) "
                    "when the next chunk would not leave --eval-reserve-s for the evaluation")
@@ -260,14 +265,18 @@ def _train_within_budget(args, options: TrainOptions, run: Path, resume: bool, l
     """Train to the end, or with --budget-s in checkpointed chunks of at most --chunk-steps, each
     sized to leave --eval-reserve-s for the evaluation. Returns this invocation's step records and
     whether it stopped before the planned steps."""
-    if args.budget_s is None:
-        return train(load_run_options(run, progress=False) if resume else options), False
-    records: list[dict] = []
+    target = getattr(args, "stop_at", None) or options.steps
     latest = ckpt_io.latest(run) if resume else None
     done = int(ckpt_io.load_trainer_state(latest)["step"]) if latest else 0
+    if done >= target:
+        return [], False
+    if args.budget_s is None:
+        cut = {"stop_after": target - done} if target < options.steps else {}
+        return train(load_run_options(run, progress=False, **cut) if resume else dataclasses.replace(options, **cut)), False
+    records: list[dict] = []
     step_s = overhead_s = None  # measured on the previous chunk (its first step may include compilation)
-    while done < options.steps:
-        take = min(args.chunk_steps, options.steps - done)
+    while done < target:
+        take = min(args.chunk_steps, target - done)
         if step_s is not None:
             left = args.budget_s - (time.time() - log.t0) - args.eval_reserve_s - overhead_s
             take = min(take, int(left // step_s))
@@ -297,25 +306,35 @@ def evaluate_arms(args, out: Path, data: Path, init: Path, log: Log) -> dict:
 
     records = [json.loads(p.read_text()) for p in sorted(out.glob("*/arm.json"))]
     records = [r for r in records if ckpt_io.latest(Path(r["run"])) is not None]
+    scored = [r for r in records if args.eval_short_stages or not r["arm"].endswith("-short")]
     eval_dir = out / "eval"
     argv = ["eval-recall", "--data", str(data), "--baseline", str(init), "--out", str(eval_dir), "--overwrite", "--no-progress",
             "--seq", args.eval_seq or args.seq, "--len", str(args.eval_len or args.length), "--skip", str(args.eval_skip),
             "--distances", args.eval_distances, "--windows", str(args.eval_windows), "--bootstrap", str(args.bootstrap)]
-    for r in records:
+    for r in scored:
         argv += ["--checkpoint", r["run"]]
     wall, cpu = time.time(), time.process_time()
     app(argv, standalone_mode=False)
     wall, cpu = time.time() - wall, time.process_time() - cpu
-    log(f"eval-recall of the initial model and {', '.join(r['arm'] for r in records)}: {wall:.0f} s wall, {cpu:.0f} s process CPU -> {eval_dir}")
+    log(f"eval-recall of the initial model and {', '.join(r['arm'] for r in scored)}: {wall:.0f} s wall, {cpu:.0f} s process CPU -> {eval_dir}")
     doc = json.loads((eval_dir / "recall.json").read_text())
     role_of = {m["source"]: role for role, m in doc["meta"]["models"].items()}
     results = {
         "eval": {"layout": doc["layout"], "n_windows": len(doc["windows"]), "wall_s": wall, "process_cpu_s": cpu},
         "initial_model": doc["models"]["baseline"],
-        "arms": {r["arm"]: {**r, "recall": doc["models"][role_of[r["run"]]]} for r in records},
+        "arms": {r["arm"]: {**r, "recall": doc["models"].get(role_of.get(r["run"]))} for r in records},
     }
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
+
+
+def steps_like(args, out: Path, stage: str) -> tuple[int, int] | None:
+    """(planned, done) steps of --steps-like's arm in this stage ("" or "-short"), if it has been recorded."""
+    record = out / f"{args.steps_like}{stage}" / "arm.json"
+    if not (args.steps_like and record.exists()):
+        return None
+    r = json.loads(record.read_text())
+    return r["steps_planned"], r["steps"]
 
 
 def main(args) -> int:
@@ -330,6 +349,12 @@ def main(args) -> int:
         data = prepare_data(args, work, log)
         init = initial_model(args, work, log)
         start = model_dir(Path(args.init_from)) if args.init_from else init
+        # The same learning-rate schedule, cut where the other arm was cut.
+        args.stop_at = None
+        if like := steps_like(args, out, "-short"):
+            args.short_steps = like[1]
+        if like := steps_like(args, out, ""):
+            args.steps, args.stop_at = like
         if args.short_steps:
             short = short_stage_args(args)
             options = arm_options(short, data, start, work / short.arm)

@@ -305,6 +305,15 @@ def test_cpu_experiment_runs_the_frozen_arm(tmp_path):
     # A random model has no memory to speak of: its copy costs what the first occurrence did.
     assert all(abs(r["value"]) < 0.1 for r in results["initial_model"]["recall"])
     assert (tmp_path / "out" / "eval" / "recall.png").is_file() and (tmp_path / "out" / "frozen" / "metrics.jsonl").is_file()
+    # A second arm on the first one's schedule (--steps-like), scored without the short stages.
+    like = subprocess.run([sys.executable, str(script), *common, "--arm", "twin", "--steps", "50", "--short-steps", "9",
+                           "--steps-like", "frozen", "--no-eval-short-stages"], capture_output=True, text=True, timeout=600)
+    assert like.returncode == 0, like.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    twin, twin_short = results["arms"]["twin"], results["arms"]["twin-short"]
+    assert (twin["steps"], twin["steps_planned"], twin_short["steps"]) == (20, 20, 4)
+    assert twin["recall"] is not None and results["arms"]["frozen"]["recall"] is not None
+    assert twin_short["recall"] is None and results["arms"]["frozen-short"]["recall"] is None
     refused = subprocess.run([sys.executable, str(script), *common, "--arm", "other", "--train-option", "no_such_field=1"],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "TrainOptions has no no_such_field" in refused.stderr
