@@ -284,6 +284,9 @@ def _train_within_budget(args, options: TrainOptions, run: Path, resume: bool, l
                 log(f"stopping at step {done} of {options.steps}: another step (~{step_s:.1f} s + {overhead_s:.0f} s to "
                     f"reload and save) would not leave {args.eval_reserve_s:.0f} s for the evaluation")
                 return records, True
+        elif args.budget_s - (time.time() - log.t0) - args.eval_reserve_s < 120:
+            # No step time measured yet and little time left (a slow start): a few steps, so that the arm exists.
+            take = min(take, 3)
         t0 = time.time()
         if done:
             chunk = train(load_run_options(run, progress=False, stop_after=take))
