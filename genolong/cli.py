@@ -38,6 +38,7 @@ COMMANDS = [
     ("plan", "genolong.train.cli", "plan"),
     ("export", "genolong.train.export_cli", "export"),
     ("eval-positional", "genolong.eval.cli", "eval_positional"),
+    ("eval-recall", "genolong.eval.recall_cli", "eval_recall"),
 ]
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One `run` call on the device machine: named stages, each under its own time limit, logs in $OUT.
 #   bash benchmarks/device/call.sh indexer:150 gputests:270 profile128k:110 kernels512k:90
-#   TRAIN_ARGS=... / ABLATION_ARGS=... / SPARSE_ARGS=... pass options to the train / ablation / sparse stages.
+#   TRAIN_ARGS=... / ABLATION_ARGS=... / SPARSE_ARGS=... / RECALL_ARGS=... pass options to the train / ablation / sparse /
+#   recall stages.
 # Kernel caches (Triton, TileLang) live in .kcache/ (git-ignored); they are packed into
 # $OUT/kcache.tar.xz at the end so a later call can carry them and skip recompilation.
 set -u
@@ -35,6 +36,10 @@ for stage in "$@"; do
     # The multi-process path at world 1 (and with the context-parallel pass at cp=1) vs one process, glm53-mini.
     overhead) cmd="python3 benchmarks/bench_parallel_overhead.py --data /tmp/bundled --lengths 128k --steps 3 --budget-s $(( limit - 30 )) --out $OUT/overhead" ;;
     overhead512k) cmd="python3 benchmarks/bench_parallel_overhead.py --data /tmp/bundled --lengths 512k --steps 2 --paths one-process,cp-pass --budget-s $(( limit - 30 )) --out $OUT/overhead512k" ;;
+    # The planted-repeat recall experiment (benchmarks/recall_gpu.py): run recallfrozen first, then
+    # recalltrained in the same call (same machine: shared data, initial model, kernel caches).
+    recallfrozen) cmd="python3 benchmarks/recall_gpu.py --work /tmp/recall_gpu --out $OUT/recall --arm frozen --budget-s $(( limit - 15 )) ${RECALL_ARGS:-}" ;;
+    recalltrained) cmd="python3 benchmarks/recall_gpu.py --work /tmp/recall_gpu --out $OUT/recall --arm trained --indexer-loss-coeff 1 --steps-like frozen --budget-s $(( limit - 15 )) ${RECALL_ARGS:-}" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)

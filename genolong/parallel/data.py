@@ -29,15 +29,16 @@ def sampler_state(sampler) -> dict:
 
 
 def load_sampler_state(sampler, state: dict) -> None:
-    """Continue `sampler` (batch rank r of R) from a layout-free state saved at any layout."""
+    """Continue `sampler` (batch rank r of R; a WindowSampler or a wrapper with its state, such as
+    genolong.data.planted.PlantedRepeatSampler) from a layout-free state saved at any layout."""
     drawn = int(state["windows_yielded"])
-    ranks = sampler.world_size
+    mine = sampler.state_dict()
+    ranks = int(mine["world_size"])
     if drawn % ranks:
         raise GenolongError(
             f"the checkpoint's data position ({drawn} windows) does not split over {ranks} data-parallel ranks (dp x ep); "
             "resume with a data-parallel size that divides the run's --batch"
         )
-    mine = sampler.state_dict()
     layout_fields = ("rank", "world_size", "windows_yielded")
     # Everything else (data, seed, window options) is checked by the sampler itself.
     sampler.load_state_dict({**{k: v for k, v in state.items() if k not in layout_fields},

@@ -450,7 +450,7 @@ def _open_sampler(options: TrainOptions, rank: int = 0, ranks: int = 1):
             f"one shifted target) but the longest {options.split!r} record of {options.data} has {longest:,}; "
             f"use --seq {longest - 1} or less, or prepare longer records into that split"
         )
-    return WindowSampler(
+    sampler = WindowSampler(
         genome,
         options.split,
         options.seq_len + 1,
@@ -460,6 +460,11 @@ def _open_sampler(options: TrainOptions, rank: int = 0, ranks: int = 1):
         rank=rank,
         world_size=ranks,
     )
+    if options.planted_repeats:
+        from genolong.data.planted import PlantedRepeatSampler, PlantSpec
+
+        sampler = PlantedRepeatSampler(sampler, PlantSpec.parse(options.planted_repeats), seed=options.seed)
+    return sampler
 
 
 def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None, procs=None):
@@ -562,11 +567,11 @@ def _host_peak(handle) -> float | None:
 def _batches(options: TrainOptions, sampler, dna_map, device: str, start: int, procs):
     """Infinite iterator of this rank's steps from step `start` on; a step is a list of `grad_accum`
     micro-batches of this rank's windows (its share of the step's `batch`, genolong.parallel.data)."""
-    rank, ranks = sampler.rank, sampler.world_size
+    rank, ranks = procs.coords("batch")  # the sampler's sharding (_open_sampler)
     cp = procs.coords("cp")
     if options.overfit:
         # The fixed set is the run's first windows (same seed -> same set on resume, at any layout).
-        fixed = [sampler.window(k) for k in range(options.overfit)]
+        fixed = [_window(sampler, k) for k in range(options.overfit)]
         k = start * options.batch % len(fixed)
         while True:
             take = [fixed[(k + i) % len(fixed)] for i in range(options.batch)]
@@ -575,6 +580,12 @@ def _batches(options: TrainOptions, sampler, dna_map, device: str, start: int, p
     windows = iter(sampler)
     while True:
         yield _split([next(windows) for _ in range(options.batch // ranks)], options, dna_map, device, cp)
+
+
+def _window(sampler, k: int):
+    """Window k of the run, whatever rank `sampler` is, planted when it plants (PlantedRepeatSampler)."""
+    base = getattr(sampler, "base", None)
+    return sampler.plant(base.window(k)) if base is not None else sampler.window(k)
 
 
 def _split(windows, options: TrainOptions, dna_map, device: str, cp: tuple[int, int] = (0, 1)) -> list[_Batch]:

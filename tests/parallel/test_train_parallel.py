@@ -152,6 +152,19 @@ def test_ep2_cp2_with_the_indexer_trains_what_one_process_trains(data, tmp_path)
     assert _close([r["indexer_loss"] for r in split], [r["indexer_loss"] for r in single], rtol=2e-3)
 
 
+def test_dp2_on_planted_repeats_trains_what_one_process_trains_and_resumes_in_one_process(data, tmp_path):
+    """Each batch rank plants its own windows (planting depends on the window, not the rank): the
+    one-process losses, and the dp=2 checkpoint resumes in one process on the same planted windows."""
+    planted = {"steps": 3, "seq_len": 128, "planted_repeats": "len=16,max-dist=100,per-window=2"}
+    single = train(_options(data, tmp_path / "single", **planted))
+    run = tmp_path / "dp2"
+    first = run_ranks(_train_rank, 2, _options(data, run, stop_after=2, parallel="dp=2", **planted).to_dict())[0]
+    rest = train(load_run_options(run, progress=False, stop_after=None, parallel=None))
+    assert _close([r["loss"] for r in first + rest], [r["loss"] for r in single]), (first, rest, single)
+    plain = train(_options(data, tmp_path / "plain", **{**planted, "planted_repeats": None}))
+    assert [r["loss"] for r in plain] != [r["loss"] for r in single]  # the planting changed what was trained on
+
+
 def _gradient_sync(rank, world, bucket):
     import torch.distributed as dist
 
