@@ -71,6 +71,11 @@ def finetune(
     gpu_budget: Annotated[float | None, typer.Option(help="GPU memory budget, GiB [default: the device's].", rich_help_panel=_MEM, show_default=False)] = None,
     host_budget: Annotated[float | None, typer.Option(help="Pinned host memory budget, GiB [default: the machine's].", rich_help_panel=_MEM, show_default=False)] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Every memory optimization off (the stack out of the box).", rich_help_panel=_MEM)] = False,
+    balance_rate: Annotated[
+        float, typer.Option(help="Expert-balance bias step per optimizer step (DeepSeek-V3's auxiliary-loss-free balancing; 0: off).")
+    ] = 1e-3,
+    aux_loss_coeff: Annotated[float, typer.Option(help="Sequence-wise expert balance loss coefficient (DeepSeek-V3; 0: off, e.g. 1e-4).")] = 0.0,
+    repeat_weight: Annotated[float, typer.Option(help="Loss weight of soft-masked repeat bases (1: as others; Evo 2 uses 0.1).")] = 1.0,
 ) -> None:
     """Fine-tune (or train from scratch) on a prepared genome at 512k-1M tokens per sequence.
 
@@ -138,6 +143,9 @@ def finetune(
             ray_address=ray_address,
             progress=progress,
             memory=memory,
+            balance_rate=balance_rate,
+            aux_loss_coeff=aux_loss_coeff,
+            repeat_weight=repeat_weight,
         )
     records = launch(options)
     if records:

@@ -37,8 +37,14 @@ import torch
 from genolong.errors import GenolongError
 from genolong.model import ops
 from genolong.train import checkpoint as ckpt_io
+from genolong.train.balance import ExpertBalancer
 from genolong.train.flops import peak_flops, step_flops
-from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss
+from genolong.train.loss import (
+    auto_chunk_tokens,
+    chunked_lm_loss,
+    full_lm_loss,
+    repeat_target_weight,
+)
 from genolong.train.metrics import JsonlLog, Progress, StepRecord, TensorBoardLog
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
 from genolong.train.plan import moe_chunks_checkpointed
@@ -64,6 +70,7 @@ class _Batch:
     inputs: torch.Tensor  # [b, T] token ids the model reads (checkpoint ids when fine-tuning a GLM)
     targets: torch.Tensor  # [b, T]
     valid: torch.Tensor  # [b, T] bool: target is not N
+    weight: torch.Tensor | None = None  # [b, T] fp32 loss weight per target (--repeat-weight); None = 1 where valid
 
 
 def check_inputs(options: TrainOptions) -> None:
@@ -109,6 +116,7 @@ def train(options: TrainOptions) -> list[dict]:
     model, dna_map = _build_model(options, device, dtype, resume_from)
     _set_kernel_policy(resolve_kernels(options, device))
     handle = _apply_memory(model, options)
+    balancer = ExpertBalancer(model, rate=options.balance_rate, aux_loss_coeff=options.aux_loss_coeff)
     optimizer = MasterAdamW(
         list(model.named_parameters()),
         lr=options.lr,
@@ -151,7 +159,7 @@ def train(options: TrainOptions) -> list[dict]:
     try:
         for step in range(start, end):
             batch = next(batches)
-            record = _train_step(model, optimizer, batch, options, step, chunk, device, handle, flops, peak)
+            record = _train_step(model, optimizer, batch, options, step, chunk, device, handle, flops, peak, balancer=balancer)
             nonfinite_run = nonfinite_run + 1 if record.skipped else 0
             nonfinite_total += int(record.skipped)
             record.nonfinite_total = nonfinite_total
@@ -175,6 +183,7 @@ def train(options: TrainOptions) -> list[dict]:
         progress.close()
         jsonl.close()
         tensorboard.close()
+        balancer.remove()
         if handle is not None and hasattr(handle, "remove"):
             # Gives the pinned host pool back now: a benchmark calling train() repeatedly in one
             # process would otherwise hold one pool per run until garbage collection.
@@ -182,7 +191,7 @@ def train(options: TrainOptions) -> list[dict]:
     return records
 
 
-def _train_step(model, optimizer, batch_list, options, step, chunk, device, handle, flops, peak) -> StepRecord:
+def _train_step(model, optimizer, batch_list, options, step, chunk, device, handle, flops, peak, balancer=None) -> StepRecord:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize(device)
@@ -190,14 +199,20 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
     _reset_host_peak(handle)
     t0 = time.perf_counter()
     valid_count = sum(int(b.valid.sum()) for b in batch_list)
+    # Weighted targets (--repeat-weight): the loss divides by the step's total weight instead.
+    normaliser = valid_count if batch_list[0].weight is None else sum(float(b.weight.sum(dtype=torch.float64)) for b in batch_list)
+    if balancer is not None:
+        balancer.begin_step(options.batch * options.seq_len, options.seq_len)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in batch_list:
         hidden = model.hidden_states(micro.inputs)
         weight = model.lm_head.weight
         if options.memory.chunked_loss:
-            loss = chunked_lm_loss(hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=valid_count)
+            loss = chunked_lm_loss(
+                hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=normaliser, target_weight=micro.weight
+            )
         else:
-            loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=valid_count)
+            loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=normaliser, target_weight=micro.weight)
         loss.backward()
         total += loss.detach()
         del hidden, loss
@@ -208,6 +223,8 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
     if not skipped:
         optimizer.step(lr, clip_scale(grad_norm, options.grad_clip))
     optimizer.zero_grad()
+    # The bias moves only with an update: a skipped step changes nothing in the model.
+    balance = balancer.finish_step(update_bias=not skipped) if balancer is not None else None
     if cuda:
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
@@ -230,7 +247,15 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
         reserved_gpu_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
         pinned_host_gib=_host_peak(handle),
         nonfinite_total=0,
+        aux_loss=balance.aux_loss if balance is not None else None,
+        expert_load_max=_by_layer(balance.load_max) if balance is not None else None,
+        expert_load_min=_by_layer(balance.load_min) if balance is not None else None,
     )
+
+
+def _by_layer(values: dict[int, float]) -> dict[str, float]:
+    """JSON object keys are strings: {"3": 1.42, ...} per MoE layer."""
+    return {str(layer): value for layer, value in values.items()}
 
 
 # ------------------------------------------------------------------------------ set-up pieces
@@ -385,6 +410,10 @@ def _split(windows, options: TrainOptions, dna_map, device: str) -> list[_Batch]
         raise GenolongError(f"the sampler returned windows of {tokens.shape[1]} bases, expected {options.seq_len + 1}")
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     valid = targets != N_ID
+    weight = None
+    if options.repeat_weight != 1.0:
+        repeats = torch.from_numpy(np.stack([np.asarray(w.repeat_mask, dtype=bool) for w in windows]))[:, 1:]
+        weight = repeat_target_weight(valid, repeats, options.repeat_weight)
     if dna_map is not None:
         inputs, targets = dna_map.cpu()[inputs], dna_map.cpu()[targets]
     micro = options.micro_batch
@@ -393,6 +422,7 @@ def _split(windows, options: TrainOptions, dna_map, device: str) -> list[_Batch]
             inputs[i : i + micro].to(device, non_blocking=True),
             targets[i : i + micro].to(device, non_blocking=True),
             valid[i : i + micro].to(device, non_blocking=True),
+            weight[i : i + micro].to(device, non_blocking=True) if weight is not None else None,
         )
         for i in range(0, options.batch, micro)
     ]

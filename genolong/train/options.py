@@ -122,6 +122,9 @@ class TrainOptions:
     progress: bool = True
     tensorboard: bool = True
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    balance_rate: float = 1e-3  # expert-bias step per optimizer step (DeepSeek-V3's gamma); 0 = off
+    aux_loss_coeff: float = 0.0  # sequence-wise expert balance loss (DeepSeek-V3 eq. 17-20); 0 = off
+    repeat_weight: float = 1.0  # loss weight of soft-masked (repeat) target bases; Evo 2 uses 0.1
 
     @property
     def micro_batch(self) -> int:
@@ -164,6 +167,10 @@ class TrainOptions:
             raise GenolongError(f"--stop-after must be positive, got {self.stop_after}")
         if self.max_nonfinite < 1:
             raise GenolongError(f"max_nonfinite must be >= 1, got {self.max_nonfinite}")
+        if self.balance_rate < 0 or self.aux_loss_coeff < 0:
+            raise GenolongError(f"--balance-rate and --aux-loss-coeff must be >= 0 (0 = off), got {self.balance_rate} and {self.aux_loss_coeff}")
+        if not 0 <= self.repeat_weight <= 1:
+            raise GenolongError(f"--repeat-weight must be in [0, 1] (1 = repeats count fully, 0.1 = Evo 2), got {self.repeat_weight}")
         if self.preset is None and self.model_path is None:
             raise GenolongError("give --preset NAME (train from scratch) or --model CKPT (fine-tune a checkpoint)")
         self.memory.validate()
