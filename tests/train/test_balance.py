@@ -175,3 +175,29 @@ def test_bias_survives_save_and_load(tmp_path):
 def test_negative_rates_are_refused():
     with pytest.raises(GenolongError, match="must be >= 0"):
         ExpertBalancer(_tiny(), rate=-1e-3)
+
+
+# ------------------------------------------------------------------------------ in the training loop
+
+
+def test_a_run_logs_loads_and_resumes_exactly_with_its_bias(data, tmp_path):
+    from genolong.train import checkpoint as ck
+    from genolong.train import loop
+    from genolong.train.metrics import read_jsonl
+    from tests.train._helpers import tiny_options
+
+    common = {"steps": 4, "seq_len": 64, "balance_rate": 0.05, "aux_loss_coeff": 0.01}
+    straight = loop.train(tiny_options(data, tmp_path / "a", **common))
+    first = loop.train(tiny_options(data, tmp_path / "b", stop_after=2, **common))
+    second = loop.train(loop.load_run_options(tmp_path / "b", stop_after=None, progress=False))
+    assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
+    assert [r["aux_loss"] for r in first + second] == [r["aux_loss"] for r in straight]
+    for r in read_jsonl(tmp_path / "b" / ck.METRICS_FILE):
+        assert set(r["expert_load_max"]) == set(r["expert_load_min"]) == {"3"}  # tiny: layer 3 is the MoE
+        assert r["expert_load_min"]["3"] <= 1.0 <= r["expert_load_max"]["3"] and r["aux_loss"] > 0
+    # After 2 steps at rate 0.05 every bias is a sum of two signed steps, and the run moved them.
+    from safetensors.torch import load_file
+
+    saved = ck.complete_checkpoints(tmp_path / "b")[0] / ck.MODEL_DIR
+    bias = next(t for k, t in load_file(next(saved.glob("*.safetensors"))).items() if k.endswith("e_score_correction_bias"))
+    assert bias.abs().max() > 0 and all(round(float(b) / 0.05) in (-2, -1, 0, 1, 2) for b in bias)
