@@ -7,7 +7,8 @@ One step (docs/training.md):
    global count, backward (gradients add up to the gradient of the step's mean loss);
 3. global gradient norm; a non-finite loss or norm skips the update (counted; the run stops
    with the reason after `max_nonfinite` in a row); otherwise clip and take an AdamW step at
-   the scheduled learning rate;
+   the scheduled learning rate, then move the MoE routers' correction biases towards an even
+   expert load (genolong.train.balance);
 4. one record: loss, lr, grad norm, tokens/s, MFU/HFU, peak GPU memory, pinned host bytes;
    JSONL, TensorBoard, progress bar; a checkpoint every `save_every` steps and at the end.
 
