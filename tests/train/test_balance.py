@@ -201,3 +201,26 @@ def test_a_run_logs_loads_and_resumes_exactly_with_its_bias(data, tmp_path):
     saved = ck.complete_checkpoints(tmp_path / "b")[0] / ck.MODEL_DIR
     bias = next(t for k, t in load_file(next(saved.glob("*.safetensors"))).items() if k.endswith("e_score_correction_bias"))
     assert bias.abs().max() > 0 and all(round(float(b) / 0.05) in (-2, -1, 0, 1, 2) for b in bias)
+
+
+def test_loads_and_balance_loss_reach_tensorboard_and_the_jsonl_line():
+    from genolong.train.metrics import StepRecord, TensorBoardLog
+
+    record = StepRecord(
+        step=7, loss=1.3, lr=1e-3, grad_norm=0.5, skipped=False, tokens=64, valid_tokens=64, step_time_s=1.0,
+        tokens_per_s=64.0, model_tflops=1.0, hardware_tflops=1.0, mfu=None, hfu=None, peak_gpu_gib=None,
+        reserved_gpu_gib=None, pinned_host_gib=None, nonfinite_total=0, aux_loss=0.02,
+        expert_load_max={"3": 1.5, "7": 2.5}, expert_load_min={"3": 0.5, "7": 0.0},
+    )
+    scalars = {}
+
+    class Writer:
+        def add_scalar(self, tag, value, step):
+            scalars[tag] = (value, step)
+
+    log = TensorBoardLog.__new__(TensorBoardLog)
+    log.writer = Writer()
+    log.write(record)
+    assert scalars["train/aux_loss"] == (0.02, 7)
+    assert scalars["experts/load_max/layer_07"] == (2.5, 7) and scalars["experts/load_min/layer_03"] == (0.5, 7)
+    assert '"expert_load_max": {"3": 1.5, "7": 2.5}' in record.to_json()
