@@ -111,7 +111,7 @@ def first_gradient(model, inputs, targets) -> tuple[float, float, dict[str, floa
     loss.backward()
     for h in handles:
         h.remove()
-    return float(loss), math.sqrt(sum(squares.values())), {g: math.sqrt(v) for g, v in squares.items()}
+    return float(loss.detach()), math.sqrt(sum(squares.values())), {g: math.sqrt(v) for g, v in squares.items()}
 
 
 def train(model, batches, steps: int, lr: float, warmup: int) -> list[tuple[float, float]]:
@@ -124,7 +124,7 @@ def train(model, batches, steps: int, lr: float, warmup: int) -> list[tuple[floa
         norm = opt.grad_norm()
         opt.step(lr_at(step, lr, warmup, steps, 0.1), clip_scale(norm, 1.0))
         opt.zero_grad()
-        out.append((float(loss), norm))
+        out.append((float(loss.detach()), norm))
         print(f"    step {step + 1:3d}  loss {out[-1][0]:.4f}  grad norm {norm:8.2f}", flush=True)
     return out
 
