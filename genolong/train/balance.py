@@ -164,10 +164,13 @@ class ExpertBalancer:
                 bias = self.routers[i].e_score_correction_bias
                 bias.add_(self.rate * torch.sign(mean[row] - loads[row]).to(bias.device, bias.dtype))
         ratio = (loads / mean.clamp_min(1e-12)).cpu()
+        aux = None
+        if self.aux_loss_coeff > 0:
+            aux = float(torch.stack(self._aux_parts).sum()) if self._aux_parts else 0.0
         return BalanceStats(
             load_max={i: float(ratio[row].max()) for row, i in enumerate(layers)},
             load_min={i: float(ratio[row].min()) for row, i in enumerate(layers)},
-            aux_loss=(float(torch.stack(self._aux_parts).sum()) if self._aux_parts else 0.0) if self.aux_loss_coeff > 0 else None,
+            aux_loss=aux,
         )
 
     def remove(self) -> None:
