@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from genolong.model import GenoLongForCausalLM, get_preset, ops  # noqa: E402
 from genolong.train.flops import peak_flops, step_flops  # noqa: E402
+from genolong.train.indexer import IndexerTraining, trainable_parameters  # noqa: E402
 from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss  # noqa: E402
 from genolong.train.memory import apply_memory_optimizations  # noqa: E402
 from genolong.train.optim import MasterAdamW, clip_scale  # noqa: E402
@@ -95,6 +96,7 @@ class Bench:
     lr: float = 1e-4
     seed: int = 0
     log: list = field(default_factory=list)
+    indexer_loss_coeff: float = 0.0  # > 0: every step also trains the DSA indexer (sparse KL loss)
 
     def __post_init__(self) -> None:
         import genolong.kernels
@@ -108,7 +110,8 @@ class Bench:
         with torch.device(self.device):
             self.model = GenoLongForCausalLM(self.config, dtype=torch.bfloat16 if CUDA else torch.float32)
         self.model.train()
-        self.optimizer = MasterAdamW(list(self.model.named_parameters()), lr=self.lr)
+        self.indexer = IndexerTraining(self.model, coeff=self.indexer_loss_coeff)
+        self.optimizer = MasterAdamW(trainable_parameters(self.model, train_indexer=self.indexer.trains), lr=self.lr)
         self.handle = None
         self.opts = None
         self.genome = None
@@ -147,6 +150,7 @@ class Bench:
         t0 = time.perf_counter()
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         valid = targets != N_ID
+        self.indexer.begin_step(0)
         hidden = self.model.hidden_states(inputs)
         if self.opts.chunked_loss:
             chunk = self.opts.loss_chunk_tokens or auto_chunk_tokens(self.config.vocab_size)
@@ -161,6 +165,7 @@ class Bench:
         if math.isfinite(norm) and math.isfinite(loss_value):
             self.optimizer.step(lr if lr is not None else self.lr, clip_scale(norm, 1.0))
         self.optimizer.zero_grad()
+        indexer = self.indexer.end_step()
         _sync()
         elapsed = time.perf_counter() - t0
         flops = step_flops(self.config, seq_len, recompute=self.opts.recompute, chunked_loss=self.opts.chunked_loss,
@@ -180,6 +185,7 @@ class Bench:
             "pinned_reserved_gib": self.handle.reserved_bytes() / GIB,
             "pinned_after_step_gib": self.handle.pinned_bytes() / GIB,
             "offload_layers": len(self.handle.offload_layers()),
+            "indexer_loss": indexer.get("indexer_loss"),
         }
 
     def plan(self, seq_len: int, offload_layers: int | None = None) -> dict:

@@ -12,6 +12,9 @@ Phases, each skipped (and recorded as not run) when the time budget is spent:
 
     source .device/activate.sh && python benchmarks/bench_train.py --data data/bundled \
         --lengths 32k,128k,512k --out $OUT/train.json --budget-s 420
+
+`--indexer-loss-coeff 1` makes every step also train the DSA indexer (its sparse KL loss,
+docs/training.md): run it beside a run without to measure the loss's step-time and memory cost.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--out", default="train.json")
     p.add_argument("--ladder", default=None, help="ablation lengths (default 8k..512k); for a CPU smoke test")
+    p.add_argument("--compile", action="store_true", help="apply genolong.train.compile to the model (finetune --compile)")
+    p.add_argument("--indexer-loss-coeff", type=float, default=0.0, help="> 0: every step also trains the DSA indexer (its KL loss)")
     args = p.parse_args(argv)
     if args.ladder:
         import bench_memory_ablation
@@ -80,11 +85,16 @@ def main(argv=None) -> int:
     if data is None:
         results["not_run"].append("real DNA (no --data dir): every figure is on random bases")
     try:
-        bench = Bench(args.preset, data, policy=args.kernels)
+        bench = Bench(args.preset, data, policy=args.kernels, indexer_loss_coeff=args.indexer_loss_coeff)
     except Exception as err:  # a kernel that cannot load under "fused" is a result, not a crash
         results["kernel_error"] = repr(err)
-        bench = Bench(args.preset, data, policy="auto")
+        bench = Bench(args.preset, data, policy="auto", indexer_loss_coeff=args.indexer_loss_coeff)
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    compiled = None
+    if args.compile:
+        from genolong.train.compile import apply_compile
+
+        compiled = apply_compile(bench.model)
     results["params"] = sum(p.numel() for p in bench.model.parameters())
     full = MemoryOptions(host_budget_gib=args.host_budget_gib)
 
@@ -197,6 +207,8 @@ def main(argv=None) -> int:
             results["overfit"] = {"seq_len": n, "steps": len(losses), "first4": first, "last4": last, "drop": 1 - last / first}
         else:
             results["not_run"].append(f"overfit at {format_length(n)}: fewer than 8 steps fit the budget")
+    if compiled is not None:
+        results["compile"] = compiled.describe()
     save()
     print_summary(results)
     return 0

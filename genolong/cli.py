@@ -19,6 +19,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts are plain text: "[default: ...]" must print, not be taken for rich markup.
+    rich_markup_mode="markdown",
 )
 
 

@@ -11,7 +11,11 @@
 #   4. eval     lambda tiled into LONG_SEQ windows: stage 2 vs stage 1, loss by position, with the
 #               short-context control; the question is whether stage 2 gained more at late positions
 # A tiny model trained for a minute or two is not a good DNA model; the point is the pipeline
-# and a plot that reads like the real one. Each stage is skipped when its output exists.
+# and a plot that reads like the real one.
+#
+# Interrupted (Ctrl-C, a closed laptop, out of memory)? Run it again: finished stages are skipped,
+# a stopped training stage continues from its last checkpoint (or starts again if it had none),
+# and the evaluation continues from its partial results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,10 +26,11 @@ LONG_STEPS=${LONG_STEPS:-30}
 BUCKET=${BUCKET:-512}
 MAX_WINDOWS=${MAX_WINDOWS:-16}
 
-[ -x .venv/bin/genolong ] || bash scripts/install.sh
-G=.venv/bin/genolong
-# The 2-core demo machine: one intra-op pool sized to it, no oversubscription.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
+source pipelines/lib.sh
+# One intra-op thread: the tiny model's ops are too small for a second one to gain anything, and
+# on a machine whose cores are busy OpenMP threads spin-waiting on each other made a step ~10x
+# slower (30 s instead of 3 s at 4 x 512 bases, 2026-12-01). Set OMP_NUM_THREADS to override.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 DATA=data/bundled
 SHORT=runs/demo-short
@@ -33,34 +38,28 @@ BASE=runs/demo-stage1
 LONG=runs/demo
 EVAL=eval/demo
 
-# 1. Prepare the bundled genome: E. coli 536 (NC_008253.1) to train on, phage lambda (NC_001416.1)
-#    held out (genolong/data/genomes/README.md).
-[ -f "$DATA/manifest.json" ] || $G prepare --fasta "$(.venv/bin/python -c 'from genolong.data import bundled_genome_path as p; print(p())')" \
-    --train NC_008253.1 --holdout NC_001416.1 --out "$DATA"
-
-# 2. Stage 1: from scratch at the short context. CPU: no recompute or offload (nothing to save).
-if [ ! -d "$SHORT/checkpoints" ]; then
-    $G finetune --data "$DATA" --preset tiny --seq "$SHORT_SEQ" --batch 4 --steps "$SHORT_STEPS" \
-        --lr 3e-3 --warmup 5 --no-recompute --no-offload --no-progress --out "$SHORT"
+stage "1/4 prepare: E. coli 536 (NC_008253.1) to train on, phage lambda (NC_001416.1) held out -> $DATA"
+if [ -f "$DATA/manifest.json" ]; then
+    echo "$DATA: prepared, skipped"
+else
+    $G prepare --fasta bundled --train NC_008253.1 --holdout NC_001416.1 --out "$DATA"
 fi
 
-# The stage-1 model as a model directory that `finetune --model` and `eval-positional --baseline`
-# take (a transformers-format checkpoint; its tokenizer.json maps bases to genolong's DNA ids).
-if [ ! -f "$BASE/config.json" ]; then
-    rm -rf "$BASE.tmp"
-    cp -r "$(ls -d "$SHORT"/checkpoints/step_* | tail -n 1)/model" "$BASE.tmp"
-    mv "$BASE.tmp" "$BASE"
-fi
+# CPU: no recompute or offload (nothing to save at these lengths). Checkpoints every 25 steps, so
+# an interrupted stage loses little.
+stage "2/4 stage 1: a tiny model from scratch, $SHORT_STEPS steps of 4 x $SHORT_SEQ bases -> $SHORT"
+finetune_or_resume "$SHORT" "$SHORT_STEPS" --preset tiny --seq "$SHORT_SEQ" --batch 4 \
+    --lr 3e-3 --warmup 5 --save-every 25 --no-recompute --no-offload
+model_of "$SHORT" "$SHORT_STEPS" "$BASE"
 
-# 3. Stage 2: the same model at the long context.
-if [ ! -d "$LONG/checkpoints" ]; then
-    $G finetune --data "$DATA" --model "$BASE" --seq "$LONG_SEQ" --steps "$LONG_STEPS" \
-        --lr 1e-3 --warmup 2 --no-recompute --no-offload --no-progress --out "$LONG"
-fi
+stage "3/4 stage 2: the same model at $LONG_SEQ bases per sequence, $LONG_STEPS steps -> $LONG"
+finetune_or_resume "$LONG" "$LONG_STEPS" --model "$BASE" --seq "$LONG_SEQ" \
+    --lr 1e-3 --warmup 2 --save-every 10 --no-recompute --no-offload
 
-# 4. Held-out loss by position, stage 2 vs stage 1 (resumable: rerunning skips scored windows).
+stage "4/4 held-out loss by position on lambda, stage 2 vs stage 1 ($MAX_WINDOWS windows of $LONG_SEQ) -> $EVAL"
 $G eval-positional --data "$DATA" --checkpoint "$LONG" --baseline "$BASE" \
-    --seq "$LONG_SEQ" --bucket "$BUCKET" --max-windows "$MAX_WINDOWS" --bootstrap 1000 --out "$EVAL" --no-progress
+    --seq "$LONG_SEQ" --bucket "$BUCKET" --max-windows "$MAX_WINDOWS" --bootstrap 1000 --out "$EVAL"
 
+stage "done"
 echo "plot: $EVAL/positional.png"
 echo "tables: $EVAL/positional.csv $EVAL/positional.json; notebook: notebooks/analysis.ipynb (reads $LONG and $EVAL)"

@@ -8,7 +8,8 @@
 #   GLM_CKPT=/models/glm-5.3-flash bash pipelines/hg38_512k.sh   # fine-tune a transformers glm5_next checkpoint
 #
 # Every stage is skipped when its output is already complete, so rerunning after an interruption
-# continues (finetune with --resume, eval-positional from its partial file).
+# continues (finetune with --resume, or --overwrite when it stopped before its first checkpoint;
+# eval-positional from its partial file).
 #
 # Settings (environment): FASTA (default data/hg38.fa.gz, downloaded from UCSC if missing: the
 # soft-masked assembly, so repeats are kept as a mask), GLM_CKPT, STEPS (80), STAGE1_STEPS (400),
@@ -27,8 +28,7 @@ DATA=data/hg38
 RUN=runs/$TAG
 EVAL=eval/$TAG
 
-[ -x .venv/bin/genolong ] || bash scripts/install.sh
-G=.venv/bin/genolong
+source pipelines/lib.sh
 
 # 1. Data: chr1, chr2 for training, chr22 held out (whole chromosomes: interval splits leak at 512k).
 if [ ! -f "$FASTA" ]; then
@@ -38,19 +38,6 @@ if [ ! -f "$FASTA" ]; then
 fi
 [ -f "$DATA/manifest.json" ] || $G prepare --fasta "$FASTA" --train chr1,chr2 --holdout chr22 --out "$DATA"
 
-# finetune_or_resume RUN_DIR STEPS ARGS...: start the run, continue it, or skip it when finished.
-finetune_or_resume() {
-    local run=$1 steps=$2
-    shift 2
-    if [ -d "$run/checkpoints/$(printf 'step_%08d' "$steps")" ]; then
-        echo "$run: finished"
-    elif [ -f "$run/options.json" ]; then
-        $G finetune --resume "$run"
-    else
-        $G finetune --data "$DATA" --steps "$steps" --save-every 20 --out "$run" "$@"
-    fi
-}
-
 # 2. The model before long-context fine-tuning (the baseline of the evaluation).
 if [ -n "$GLM_CKPT" ]; then
     BASELINE=$GLM_CKPT
@@ -59,18 +46,14 @@ else
     # glm53-mini has no pretrained weights: train it first at a short context (stage 1), then extend
     # the context (stage 2), as Evo 2 does. The evaluation then asks what the 512k stage added.
     STAGE1=runs/$TAG-stage1
-    finetune_or_resume "$STAGE1" "$STAGE1_STEPS" --preset glm53-mini --seq "$STAGE1_SEQ" --lr 3e-4 --warmup 20
+    finetune_or_resume "$STAGE1" "$STAGE1_STEPS" --preset glm53-mini --seq "$STAGE1_SEQ" --lr 3e-4 --warmup 20 --save-every 20
     BASELINE=$STAGE1/start-model
-    if [ ! -f "$BASELINE/config.json" ]; then
-        rm -rf "$BASELINE.tmp"
-        cp -r "$STAGE1/checkpoints/$(printf 'step_%08d' "$STAGE1_STEPS")/model" "$BASELINE.tmp"
-        mv "$BASELINE.tmp" "$BASELINE"
-    fi
+    model_of "$STAGE1" "$STAGE1_STEPS" "$BASELINE"
     START=(--model "$BASELINE")
 fi
 
 # 3. Long-context fine-tuning at 512k (recompute, pinned offload, MoE chunking: the defaults).
-finetune_or_resume "$RUN" "$STEPS" "${START[@]}" --seq 512k --lr 1e-4 --warmup 10
+finetune_or_resume "$RUN" "$STEPS" "${START[@]}" --seq 512k --lr 1e-4 --warmup 10 --save-every 20
 
 # 4. Held-out loss by position: chr22 tiled into 512k windows, 32k buckets, 32k control.
 $G eval-positional --data "$DATA" --checkpoint "$RUN" --baseline "$BASELINE" \

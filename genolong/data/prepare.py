@@ -142,6 +142,7 @@ def _read_indexed(index: FastaIndex, requested, recorder: _Recorder, progress: P
         try:
             described[rec.name] = description = index.description(rec)
             stats = recorder.record(rec.name, description, index.chunks(rec), lambda n: progress.advance(task, n))
+            _report(log, rec.name, stats)
         except InvalidBases as err:
             # A stale index points into the wrong bytes (headers, other records): say so too.
             raise GenolongError(f"{err}; if {index.source.path.name}.fai is stale, delete it and re-run") from None
@@ -151,6 +152,13 @@ def _read_indexed(index: FastaIndex, requested, recorder: _Recorder, progress: P
                 f"the index is stale; delete {index.source.path.name}.fai (and .gzi) and re-run"
             )
     return [(r.name, described.get(r.name, ""), r.length) for r in index.records], splits, renamed
+
+
+def _report(log, name: str, stats: RecordStats) -> None:
+    """One line per record read: the progress of a long prepare where no bar is drawn (logs, CI)."""
+    n = max(stats.length, 1)
+    iupac = f" ({stats.iupac_to_n:,} from IUPAC codes)" if stats.iupac_to_n else ""
+    log(f"{name}: {stats.length:,} bases, {100 * stats.n_count / n:.2f}% N{iupac}, {100 * stats.repeat_count / n:.1f}% soft-masked")
 
 
 def _refuse_duplicates(names: list[str], source: FastaSource) -> None:
@@ -197,9 +205,12 @@ def _read_streaming(source: FastaSource, requested, recorder: _Recorder, progres
                 raise _duplicate(name, source)
             seen.add(name)
             if name in wanted:
-                length = recorder.record(name, description, tracked(chunks), lambda n: None).length
+                stats = recorder.record(name, description, tracked(chunks), lambda n: None)
+                length = stats.length
+                _report(log, name, stats)
             else:
                 length = sum(count_bases(chunk) for chunk in tracked(chunks))
+                log(f"{name}: {length:,} bases, not requested (counted only)")
             lengths.append((name, description, length))
     progress.update(task, completed=source.size)
     splits, renamed = resolve(requested, [name for name, _, _ in lengths], repr(str(source.path)))

@@ -17,7 +17,7 @@ def eval_positional(
         str,
         typer.Option(help="The fine-tuned model: a finetune run (RUN = its latest checkpoint, RUN@STEP), a run checkpoint or a model directory."),
     ],
-    out: Annotated[Path, typer.Option(help="Output directory: positional.{csv,json,png}, summary.txt, partial.jsonl.")],
+    out: Annotated[Path, typer.Option(help="Output directory (positional.csv, .json, .png, summary.txt, partial.jsonl).")],
     baseline: Annotated[
         Optional[str],
         typer.Option(help="The model before fine-tuning (same forms as --checkpoint). Default: the run's step 0, else the model it started from."),
@@ -27,10 +27,24 @@ def eval_positional(
     control_context: Annotated[
         str,
         typer.Option(
-            help="Control: the same targets scored with only C..2C tokens of context; 0 = no control; "
-            "auto = 32k, or a quarter of --seq for windows under 128k."
+            help="C of the controls: each control target keeps only its last C to 2C-1 bases of real context; "
+            "0 = no controls; auto = 32k, or a quarter of --seq for windows under 128k."
         ),
     ] = "auto",
+    controls: Annotated[
+        str,
+        typer.Option(
+            help="Controls to run, comma-separated: truncated (the context cut to C-2C bases; ~2x a full pass), "
+            "shuffled (the context beyond that dinucleotide-shuffled, same length; ~seq/2C passes), or none."
+        ),
+    ] = "truncated,shuffled",
+    markov_max_order: Annotated[
+        int,
+        typer.Option(
+            help="Highest order of the k-mer Markov baseline fitted on the train split (the order used is "
+            "chosen on the validation split; capped by memory and train size)."
+        ),
+    ] = 12,
     max_windows: Annotated[Optional[int], typer.Option(help="Score at most this many windows (the first ones in order).")] = None,
     max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N bases.")] = 0.1,
     bootstrap: Annotated[int, typer.Option(help="Bootstrap replicates (resampling windows) for the 95% intervals.")] = 1000,
@@ -40,26 +54,29 @@ def eval_positional(
     kernels: Annotated[
         Optional[str], typer.Option(help="Ops policy: fused, auto or reference (default: fused on CUDA, reference on CPU).")
     ] = None,
-    loss_chunk: Annotated[Optional[int], typer.Option(help="Tokens per LM-head chunk (default: ~1 GiB of fp32 logits).")] = None,
+    loss_chunk: Annotated[
+        Optional[str], typer.Option(help="Tokens per loss chunk, e.g. 2k or 4096, as in finetune (default: ~256 MiB of fp32 hidden states).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
 ) -> None:
-    """Held-out loss binned by position in the window, before vs after fine-tuning, with a short-context control.
+    """Held-out loss by position in the window, before vs after fine-tuning, with context controls.
 
-    Tiles the holdout split into non-overlapping windows of --seq, scores every window with the
-    baseline and the checkpoint (N targets masked), and reports per --bucket the mean loss (nats
-    and bits per base), the relative change vs the baseline with 95% bootstrap intervals over
-    windows, the same at control context, and repeat vs non-repeat bases. Resumable: rerun the
-    same command after an interruption. See docs/eval.md.
+    Tiles the holdout split into windows of --seq and scores each with the
+    baseline and the checkpoint, in bits per base over A, C, G, T (N targets
+    are masked). Per --bucket: both losses beside a uniform (2 bits) and a
+    k-mer Markov baseline, the change vs the baseline with 95% bootstrap
+    intervals over windows, the same under the truncated and shuffled-context
+    controls, and repeat vs non-repeat bases. Resumable: rerun the same
+    command after an interruption. See docs/eval.md.
     """
     import torch
 
     from genolong.data import open_prepared, tile_windows
-    from genolong.eval import models
+    from genolong.eval import markov, models
     from genolong.eval.positional import Layout, ModelScorer
     from genolong.eval.run import Settings, evaluate
     from genolong.model import ops
-    from genolong.train.loss import auto_chunk_tokens, chunked_token_loss
     from genolong.train.memory import apply_memory_optimizations
     from genolong.train.options import MemoryOptions
 
@@ -69,7 +86,15 @@ def eval_positional(
         control = min(32 * 1024, seq_len // 4) or None
     else:
         control = None if control_text == "0" else parse_length(control_text, "--control-context")
-    layout = Layout(seq=seq_len, bucket=parse_length(bucket, "--bucket"), control=control)
+    wanted = tuple(c.strip() for c in controls.split(",") if c.strip() and c.strip() != "none")
+    if not wanted:
+        control = None
+    layout = Layout(seq=seq_len, bucket=parse_length(bucket, "--bucket"), control=control, controls=wanted)
+    chunk = parse_length(loss_chunk, "--loss-chunk") if loss_chunk is not None else None
+    if chunk is not None and chunk < 1:
+        raise GenolongError(f"--loss-chunk must be at least 1, got {loss_chunk}")
+    if markov_max_order < 0:
+        raise GenolongError(f"--markov-max-order must be 0 or more, got {markov_max_order}")
     if bootstrap < 1:
         raise GenolongError(f"--bootstrap must be at least 1, got {bootstrap}")
     if max_windows is not None and max_windows < 1:
@@ -111,16 +136,13 @@ def eval_positional(
             f"(records: {', '.join(f'{n} {length:,} bp' for n, length in holdout)}): use a smaller --seq or a larger --max-n-fraction"
         )
 
-    vocab = resolved["checkpoint"].spec.architecture["vocab_size"]
-    chunk = loss_chunk or auto_chunk_tokens(vocab)
-
     def make_scorer(role: str) -> ModelScorer:
         model = models.load(resolved[role], dtypes[dtype_name], dev)
         # As in training, MoE runs over the sequence in chunks: uneven real routing must not
         # spike memory at 512k (seed optimization 8). Recompute and offload only matter with a
         # backward pass, and there is none here.
         apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
-        return ModelScorer(model, models.token_map_array(resolved[role].spec), chunked_token_loss, device=dev, chunk_tokens=chunk)
+        return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=chunk)
 
     settings = Settings(
         layout=layout,
@@ -135,6 +157,10 @@ def eval_positional(
     )
     # What the numbers depend on: the source genome and the holdout records, not where the directory lives.
     data_identity = {"sha256": pg.manifest.get("source", {}).get("sha256"), "holdout": [list(r) for r in holdout]}
+
+    def note(message: str) -> None:
+        typer.echo(message, err=True)
+
     ops.reset_audit()
     with ops.policy(policy):
         evaluate(
@@ -144,5 +170,7 @@ def eval_positional(
             make_scorer,
             data_identity=data_identity,
             data_path=str(Path(data).resolve()),
+            markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=note),
+            note=note,
         )
     typer.echo(f"wrote {out}/positional.png, positional.csv, positional.json")

@@ -9,7 +9,8 @@ Accepted forms:
   `model/` folder inside a run checkpoint.
 
 The architecture is read from config.json without loading weights, so mismatched models are
-refused before anything heavy happens. The DNA -> token id map comes from the run's trainer
+refused before anything heavy happens. A model is identified by a fingerprint of its content
+(genolong.eval.fingerprint), never by path or modification time. The DNA -> token id map comes from the run's trainer
 state when there is one (what training fed the model), else from the model itself: identity for
 DNA-vocabulary models, the checkpoint's tokenizer.json for GLM-vocabulary ones.
 """
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from genolong.errors import GenolongError
+from genolong.eval.fingerprint import model_fingerprint
 from genolong.eval.run import ModelSpec
 from genolong.vocab import DNA_BASES, DNA_MODEL_VOCAB_SIZE
 
@@ -166,13 +168,10 @@ def _spec(source: str, label: str, model_dir: Path, state: dict | None, flag: st
     arch.pop("initializer_range", None)
     arch = json.loads(json.dumps(arch))  # tuples -> lists, so a JSON round trip compares equal
     token_map = _token_map(state, model_dir, config.vocab_size, flag, source)
-    weights = sorted(p for p in model_dir.glob("*.safetensors"))
-    identity = {
-        "model_dir": str(model_dir.resolve()),
-        "weights": {p.name: [p.stat().st_size, int(p.stat().st_mtime)] for p in weights},
-    }
-    if not weights:
+    if not any(model_dir.glob("*.safetensors")):
         raise GenolongError(f"{flag} {source}: {model_dir} has config.json but no *.safetensors weights; the checkpoint is incomplete")
+    # By content, not path or mtime: a copied run resumes its evaluation, a rewritten one does not.
+    identity = {"model_dir": str(model_dir.resolve()), "fingerprint": model_fingerprint(model_dir)}
     return ModelSpec(source=source, label=label, architecture=arch, token_map=token_map, identity=identity)
 
 

@@ -1,18 +1,26 @@
-"""Per-token held-out loss of one window, at full context and with capped context, bucketed by position.
+"""Per-token held-out loss of one window, at full context and under context controls, bucketed by position.
 
 A window of `seq` tokens is scored as next-token prediction: the model reads tokens [0, seq-1)
 and predicts tokens [1, seq). The target at window position j has exactly j tokens of context,
 so bucket b holds the targets j in [b * bucket, (b + 1) * bucket). Targets that are N are
-masked (N is a real input token, but predicting it says nothing about DNA).
+masked (N is a real input token, but predicting it says nothing about DNA). The loss is in bits
+with the model's probabilities renormalised over A, C, G, T (genolong.eval.dnaloss), so that 2
+bits is uniform guessing for any vocabulary.
 
-The control scores the *same* targets with short context. Blocks of `control` tokens
-([C, 2C), [2C, 3C), ...) are each scored by running the model on the C tokens before the block
-plus the block itself and keeping the block's losses; a target in a control block therefore sees
-between C and 2C - 1 tokens of context instead of up to seq - 1. Targets j < C already have
-fewer than C tokens of context, and the block [C, 2C) would be scored on tokens [0, 2C), exactly
-the full pass's prefix: so the control losses of targets j < 2C are the full-context ones (no
-second run). Cost: about 2x a full-context pass, in chunks of 2C tokens. Any gain that the full-context
-curve shows and the control curve lacks can only come from context further back than 2C.
+Two controls score the *same* targets with less real context, in blocks of C = `control`
+targets ([C, 2C), [2C, 3C), ...); a target in a control block keeps between C and 2C - 1 tokens
+of real context before it:
+- **truncated**: the model runs on the C tokens before the block plus the block, so it sees
+  only those tokens. Cost: about 2 tokens per target from 2C on, ~2x a full pass.
+- **shuffled**: the model runs on the whole window up to the block's end, but with everything
+  before the block's real context (tokens [0, s - C) for the block starting at s) replaced by a
+  dinucleotide shuffle of itself (genolong.eval.shuffle). The model sees as many tokens as at full
+  context, with the same composition and neighbour statistics, but no real distant order. Cost:
+  one forward of s + C tokens per block, about seq / (2C) full passes.
+A gain at full context that the truncated control lacks may only need "more tokens"; one that
+the shuffled control lacks needs the real distant sequence. Targets j < 2C have no context beyond
+their block's real context (the block [C, 2C) would be scored on tokens [0, 2C), the full
+pass's own prefix), so their control losses are the full-context ones (no second run).
 
 Only per-window, per-bucket sums and counts leave this module (split into non-repeat and
 repeat targets): enough to bootstrap over windows and small enough to append to a partial file
@@ -22,6 +30,7 @@ after every window.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,13 +38,19 @@ import numpy as np
 import torch
 
 from genolong.errors import GenolongError
+from genolong.eval.dnaloss import N_SCORED, auto_chunk_tokens, dna_token_loss
+from genolong.eval.shuffle import dinucleotide_shuffle
 from genolong.units import format_length
 from genolong.vocab import N_ID
 
-# Axis 0 of WindowScore.sums: the two ways every target is scored.
-MODES = ("full", "control")
+# Axis 0 of WindowScore.sums: every way a target can be scored; CONTROLS are the ones besides full.
+MODES = ("full", "truncated", "shuffled")
+CONTROLS = MODES[1:]
 # Axis of target classes: soft-masked (lowercase in the FASTA) repeats vs the rest.
 CLASSES = ("nonrepeat", "repeat")
+LN2 = math.log(2.0)
+# Mixed with a checksum of the window's tokens: the shuffled control is the same on every rerun.
+SHUFFLE_SEED = 20261201
 
 # (hidden [B,T,D], lm_head_weight [V,D], targets [B,T], chunk_tokens) -> loss fp32 [B,T]
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -43,11 +58,15 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 @dataclass(frozen=True)
 class Layout:
-    """Window length, bucket width and control context, validated together."""
+    """Window length, bucket width, control context C and the controls to run, validated together.
+
+    `controls` is a subset of CONTROLS; it is empty when `control` is None.
+    """
 
     seq: int
     bucket: int
     control: int | None
+    controls: tuple[str, ...] = ("truncated",)
 
     def __post_init__(self) -> None:
         if self.bucket > self.seq:
@@ -57,7 +76,17 @@ class Layout:
             )
         if self.seq < 2:
             raise GenolongError(f"--seq {self.seq} leaves no target to score: use at least 2 tokens")
-        if self.control is not None and self.control >= self.seq:
+        unknown = [c for c in self.controls if c not in CONTROLS]
+        if unknown:
+            raise GenolongError(
+                f"--controls {','.join(self.controls)}: unknown control {unknown[0]!r}; "
+                f"use truncated, shuffled, both ({','.join(CONTROLS)}) or none"
+            )
+        if self.control is None:
+            object.__setattr__(self, "controls", ())
+            return
+        object.__setattr__(self, "controls", tuple(c for c in CONTROLS if c in self.controls))
+        if self.control >= self.seq:
             raise GenolongError(
                 f"--control-context {format_length(self.control)} is not shorter than the window --seq "
                 f"{format_length(self.seq)}, so the control would equal the full-context score: "
@@ -68,17 +97,34 @@ class Layout:
     def n_buckets(self) -> int:
         return math.ceil(self.seq / self.bucket)
 
+    @property
+    def contexts(self) -> tuple[str, ...]:
+        """The modes this layout scores: full, then the controls in MODES order."""
+        return ("full",) + self.controls
+
     def bucket_edges(self) -> np.ndarray:
         """Target positions where buckets start, plus the end: [0, bucket, ..., seq]."""
         return np.minimum(np.arange(self.n_buckets + 1) * self.bucket, self.seq)
 
+    def forward_tokens(self) -> dict[str, int]:
+        """Tokens run through the model per window, per mode (the cost of each control)."""
+        out = {"full": self.seq - 1}
+        c = self.control
+        if c:
+            blocks = range(2 * c, self.seq, c)
+            if "truncated" in self.controls:
+                out["truncated"] = sum(min(s + c, self.seq) - (s - c) - 1 for s in blocks)
+            if "shuffled" in self.controls:
+                out["shuffled"] = sum(min(s + c, self.seq) - 1 for s in blocks)
+        return out
+
 
 @dataclass
 class WindowScore:
-    """Loss sums (nats, float64) and target counts of one window for one model.
+    """Loss sums (bits, float64) and target counts of one window for one model.
 
     sums: [len(MODES), len(CLASSES), n_buckets]; counts: [len(CLASSES), n_buckets] (the same
-    targets are scored in both modes). Without a control the control row is NaN.
+    targets are scored in every mode). Rows of modes that were not run are NaN.
     """
 
     sums: np.ndarray
@@ -91,33 +137,61 @@ class ModelScorer:
     `model` needs `hidden_states(input_ids [B,T]) -> [B,T,D]` and `lm_head.weight [V,D]`;
     `token_map[dna_id]` gives the model's token id of each DNA base (identity for DNA-vocab
     models, the checkpoint's single-character ids for GLM checkpoints).
+
+    Without `loss_fn` (the default, and what eval-positional uses) the loss is over A, C, G, T
+    only (genolong.eval.dnaloss), from the four LM-head rows of `token_map[:4]`, and
+    `chunk_tokens` defaults to ~256 MiB of fp32 hidden states. A `loss_fn` such as
+    genolong.train.loss.chunked_token_loss gives the full-vocabulary loss instead.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         token_map: np.ndarray,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         device: torch.device | str = "cpu",
-        chunk_tokens: int = 4096,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.token_map = torch.as_tensor(np.asarray(token_map, dtype=np.int64))
         self.loss_fn = loss_fn
         self.device = torch.device(device)
-        self.chunk_tokens = chunk_tokens
+        hidden_size = model.lm_head.weight.shape[1]
+        self.chunk_tokens = chunk_tokens or (auto_chunk_tokens(hidden_size) if loss_fn is None else 4096)
+        self.scoring = "dna" if loss_fn is None else "full-vocabulary"
 
     def token_ids(self, tokens: np.ndarray) -> torch.Tensor:
         return self.token_map[torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))]
 
     @torch.inference_mode()
     def losses(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, T] -> fp32 loss [B, T-1] of predicting ids[:, 1:] from the prefix before each."""
+        """ids [B, T] (model token ids) -> fp32 loss in nats [B, T-1] of predicting ids[:, 1:]
+        from the prefix before each; targets that are not A, C, G or T give 0 under DNA scoring."""
         ids = ids.to(self.device)
         hidden = self.model.hidden_states(ids[:, :-1])
-        loss = self.loss_fn(hidden, self.model.lm_head.weight, ids[:, 1:], self.chunk_tokens)
+        head = self.model.lm_head
+        if self.loss_fn is not None:
+            loss = self.loss_fn(hidden, head.weight, ids[:, 1:], self.chunk_tokens)
+            return loss.float().cpu()
+        base_ids = self.token_map[:N_SCORED].to(self.device)
+        # Model token id -> DNA id 0-3 by comparison with the four base ids (no vocab-sized table).
+        match = ids[:, 1:, None] == base_ids
+        targets = torch.where(match.any(-1), match.int().argmax(-1), -1)
+        bias = head.bias[base_ids] if getattr(head, "bias", None) is not None else None
+        loss = dna_token_loss(hidden, head.weight[base_ids], targets, self.chunk_tokens, bias)
         return loss.float().cpu()
+
+
+def shuffle_rng(tokens: np.ndarray) -> np.random.Generator:
+    """The shuffled control's generator for a window: seeded by its content, so reruns agree."""
+    return np.random.default_rng([SHUFFLE_SEED, zlib.crc32(np.ascontiguousarray(tokens, dtype=np.uint8).tobytes())])
+
+
+def control_blocks(layout: Layout) -> list[tuple[int, int]]:
+    """[start, end) of each control block whose control loss is computed (blocks from 2C on)."""
+    c = layout.control
+    return [(s, min(s + c, layout.seq)) for s in range(2 * c, layout.seq, c)] if c else []
 
 
 def score_window(scorer: ModelScorer, tokens: np.ndarray, repeat: np.ndarray, layout: Layout) -> WindowScore:
@@ -125,27 +199,35 @@ def score_window(scorer: ModelScorer, tokens: np.ndarray, repeat: np.ndarray, la
     seq = len(tokens)
     if seq != layout.seq:
         raise ValueError(f"window has {seq} tokens, layout expects {layout.seq}")
+    tokens = np.asarray(tokens)
     ids = scorer.token_ids(tokens)[None]
     full = scorer.losses(ids)[0].double().numpy()  # target j = index j - 1
 
-    control = None
-    if layout.control:
-        c = layout.control
-        # Targets j < 2C: the control chunk of block [C, 2C) would be tokens [0, 2C), the very
-        # prefix the full pass saw, so their control losses are the full-context ones.
-        control = full.copy()
-        for start in range(2 * c, seq, c):
-            end = min(start + c, seq)
+    controls: dict[str, np.ndarray] = {}
+    c = layout.control
+    if "truncated" in layout.controls:
+        loss = full.copy()
+        for start, end in control_blocks(layout):
             chunk = scorer.losses(ids[:, start - c : end])[0].double().numpy()
             # chunk predicts targets (start - c + 1) .. (end - 1); keep those in [start, end)
-            control[start - 1 : end - 1] = chunk[c - 1 :]
-    return reduce_window(full, control, tokens, repeat, layout)
+            loss[start - 1 : end - 1] = chunk[c - 1 :]
+        controls["truncated"] = loss
+    if "shuffled" in layout.controls:
+        loss = full.copy()
+        rng = shuffle_rng(tokens)
+        for start, end in control_blocks(layout):
+            mixed = np.concatenate([dinucleotide_shuffle(tokens[: start - c], rng), tokens[start - c : end]])
+            chunk = scorer.losses(scorer.token_ids(mixed)[None])[0].double().numpy()
+            loss[start - 1 : end - 1] = chunk[start - 1 : end - 1]
+        controls["shuffled"] = loss
+    return reduce_window(full, controls, tokens, repeat, layout)
 
 
 def reduce_window(
-    full: np.ndarray, control: np.ndarray | None, tokens: np.ndarray, repeat: np.ndarray, layout: Layout
+    full: np.ndarray, controls: dict[str, np.ndarray], tokens: np.ndarray, repeat: np.ndarray, layout: Layout
 ) -> WindowScore:
-    """Per-target losses (index j-1 = target j) -> per-(mode, class, bucket) sums and counts."""
+    """Per-target losses in nats (index j-1 = target j), per mode -> per-(mode, class, bucket) sums
+    in bits and counts. `controls` maps a control name to its per-target losses."""
     targets = np.asarray(tokens[1:])
     valid = targets != N_ID
     positions = np.arange(1, layout.seq)[valid]
@@ -155,7 +237,7 @@ def reduce_window(
     shape = (len(CLASSES), layout.n_buckets)
     counts = np.bincount(cell, minlength=size).reshape(shape).astype(np.int64)
     sums = np.full((len(MODES),) + shape, np.nan)
-    sums[0] = np.bincount(cell, weights=full[valid], minlength=size).reshape(shape)
-    if control is not None:
-        sums[1] = np.bincount(cell, weights=control[valid], minlength=size).reshape(shape)
+    for mode, loss in {"full": full, **controls}.items():
+        bits = np.asarray(loss, dtype=np.float64)[valid] / LN2
+        sums[MODES.index(mode)] = np.bincount(cell, weights=bits, minlength=size).reshape(shape)
     return WindowScore(sums=sums, counts=counts)

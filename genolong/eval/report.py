@@ -1,16 +1,22 @@
 """From per-window sums to the tables: per-bucket means, relative changes, bootstrap intervals, summary.
 
 Names used throughout (CSV columns, JSON keys, plot labels):
-- model: "baseline" or "checkpoint"; context: "full" or "control"; bases: "all", "nonrepeat",
-  "repeat" (soft-masked in the FASTA).
-- loss_nats: token-weighted mean cross-entropy over the bucket's non-N targets, in nats;
-  bits_per_base = loss_nats / ln 2 (one token is one base).
+- model: "baseline" and "checkpoint" (the two models compared), and the yardsticks "uniform"
+  (exactly 2 bits per base) and "markov" (the k-mer Markov model fitted on the train split,
+  genolong.eval.markov), scored on exactly the same targets.
+- context: "full", or a control: "truncated" (only C to 2C-1 tokens of context) or
+  "shuffled" (the context beyond that replaced by a dinucleotide shuffle of itself); the
+  yardsticks have full context only (theirs is a few bases).
+- bases: "all", "nonrepeat", "repeat" (soft-masked in the FASTA).
+- bits_per_base: token-weighted mean of -log2 p(target) over the bucket's non-N targets, with p
+  renormalised over A, C, G, T (genolong.eval.dnaloss); one token is one base.
 - rel_change: (checkpoint - baseline) / baseline for the same context and bases; negative
   means the checkpoint predicts better.
-- *_lo / *_hi: 95% percentile bootstrap interval over windows (paired across models).
+- *_lo / *_hi: 95% percentile bootstrap interval over windows (paired across models and
+  contexts: every estimate uses the same draws of windows).
 - early = the first bucket, late = the last bucket. The late-vs-early gap of rel_change is the
   position dependence of the gain; the long-range part is the late rel_change at full context
-  minus the late rel_change at control context (the gain that needs more than 2C of context).
+  minus the late rel_change under a control (the gain that needs more than 2C of real context).
 """
 
 from __future__ import annotations
@@ -29,13 +35,18 @@ from genolong.eval.positional import CLASSES, MODES, Layout, WindowScore
 from genolong.units import format_length as _format_length
 
 MODELS = ("baseline", "checkpoint")
+REFERENCES = ("uniform", "markov")
 BASES = ("all",) + CLASSES
-LN2 = math.log(2.0)
+UNIFORM_BITS = 2.0  # -log2(1/4): guessing A, C, G, T at random
+# Below this many windows the percentile bootstrap is too narrow to support a claim (docs/eval.md).
+MIN_WINDOWS = 20
+UNITS = "bits per base: -log2 p(base), p renormalised over A, C, G, T; N targets not scored"
 
 
 def fmt_len(n: int) -> str:
     """Token counts for labels: 0 stays '0' (units.format_length would print '0M')."""
     return "0" if n == 0 else _format_length(n)
+
 
 CSV_COLUMNS = (
     "model",
@@ -45,9 +56,6 @@ CSV_COLUMNS = (
     "pos_start",
     "pos_end",
     "n_tokens",
-    "loss_nats",
-    "loss_nats_lo",
-    "loss_nats_hi",
     "bits_per_base",
     "bits_per_base_lo",
     "bits_per_base_hi",
@@ -81,15 +89,21 @@ class Results:
     layout: Layout
     windows: list[tuple[str, int, bool]]
     counts: np.ndarray  # [W, classes, buckets]
-    loss: dict[tuple[str, str, str], Estimate]  # (model, context, bases) -> per-bucket nats
+    loss: dict[tuple[str, str, str], Estimate]  # (model, context, bases) -> per-bucket bits/base
     rel: dict[tuple[str, str], Estimate]  # (context, bases) -> per-bucket relative change
-    overall: dict[tuple[str, str], Estimate]  # (model, context) -> scalar nats over all targets
+    overall: dict[tuple[str, str], Estimate]  # (model, context) -> scalar bits/base over all targets
     overall_rel: dict[str, Estimate]  # context -> scalar relative change
     meta: dict[str, Any]
 
     @property
     def contexts(self) -> tuple[str, ...]:
-        return MODES if self.layout.control else MODES[:1]
+        return self.layout.contexts
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Every model with rows: the yardsticks first, then baseline and checkpoint."""
+        present = {m for m, _, _ in self.loss}
+        return tuple(m for m in REFERENCES + MODELS if m in present)
 
     def n_tokens(self, bases: str) -> np.ndarray:
         per_class = self.counts.sum(axis=0)
@@ -100,25 +114,45 @@ class Results:
         filled = np.flatnonzero(self.n_tokens("all") > 0)
         return int(filled[0]), int(filled[-1])
 
+    def interval_warning(self) -> str | None:
+        n = len(self.windows)
+        if n >= MIN_WINDOWS:
+            return None
+        return (
+            f"only {n} window{'s' if n != 1 else ''}: bootstrap intervals from fewer than {MIN_WINDOWS} windows "
+            "are too narrow to support a claim; score more windows (--max-windows, a larger holdout or a shorter --seq)"
+        )
+
     def summary(self) -> dict[str, Any]:
         early, late = self.early_late()
         full = self.rel[("full", "all")]
         out: dict[str, Any] = {
+            "units": UNITS,
             "n_windows": len(self.windows),
             "n_tokens": int(self.counts.sum()),
+            "interval_warning": self.interval_warning(),
             "early_bucket": _span(self.layout, early),
             "late_bucket": _span(self.layout, late),
-            "overall_rel_change": _est(self.overall_rel["full"]),
-            "baseline_loss_nats": _est(self.overall[("baseline", "full")]),
-            "checkpoint_loss_nats": _est(self.overall[("checkpoint", "full")]),
-            "early_rel_change": _est(full.at(early)),
-            "late_rel_change": _est(full.at(late)),
-            "late_minus_early": _est(full.at(late) - full.at(early)),
+            "bits_per_base": {m: _est(self.overall[(m, "full")]) for m in self.models},
         }
-        if self.layout.control:
-            control = self.rel[("control", "all")]
-            out["late_rel_change_control"] = _est(control.at(late))
-            out["long_range_late"] = _est(full.at(late) - control.at(late))
+        if ("markov", "full") in self.overall:
+            markov = self.overall[("markov", "full")]
+            out["minus_markov_bits"] = {m: _est(self.overall[(m, "full")] - markov) for m in MODELS}
+        out.update(
+            {
+                "overall_rel_change": _est(self.overall_rel["full"]),
+                "early_rel_change": _est(full.at(early)),
+                "late_rel_change": _est(full.at(late)),
+                "late_minus_early": _est(full.at(late) - full.at(early)),
+            }
+        )
+        for ctx in self.layout.controls:
+            control = self.rel[(ctx, "all")]
+            out[f"late_rel_change_{ctx}"] = _est(control.at(late))
+            out[f"long_range_late_{ctx}"] = _est(full.at(late) - control.at(late))
+            out[f"late_{ctx}_minus_full_bits"] = {
+                m: _est(self.loss[(m, ctx, "all")].at(late) - self.loss[(m, "full", "all")].at(late)) for m in MODELS
+            }
         return out
 
 
@@ -145,22 +179,29 @@ def aggregate(
     seed: int = 0,
     meta: dict[str, Any] | None = None,
 ) -> Results:
-    """scores[model][i] belongs to windows[i]; both models must have scored the same targets."""
+    """scores[model][i] belongs to windows[i]; every model must have scored the same targets.
+
+    `scores` holds "baseline" and "checkpoint", and optionally "markov" (full context only);
+    the "uniform" yardstick is added here (2 bits on every scored target).
+    """
     counts = np.stack([s.counts for s in scores["baseline"]])
-    other = np.stack([s.counts for s in scores["checkpoint"]])
-    if not np.array_equal(counts, other):
-        raise ValueError("baseline and checkpoint scored different targets")
-    sums = {m: np.stack([s.sums for s in scores[m]]) for m in MODELS}  # [W, mode, class, bucket]
+    for model, rows in scores.items():
+        if not np.array_equal(np.stack([s.counts for s in rows]), counts):
+            raise ValueError(f"{model} scored different targets than the baseline")
+    sums = {m: np.stack([s.sums for s in rows]) for m, rows in scores.items()}  # [W, mode, class, bucket]
+    sums["uniform"] = np.full_like(sums["baseline"], np.nan)
+    sums["uniform"][:, 0] = UNIFORM_BITS * counts
     weights = stats.bootstrap_weights(len(windows), n_boot, seed)
-    contexts = MODES if layout.control else MODES[:1]
 
     def estimate(s: np.ndarray, c: np.ndarray) -> Estimate:
         return Estimate(stats.ratio(s, c), stats.replicate_means(s, c, weights))
 
     loss, overall = {}, {}
-    for m in MODELS:
-        for ci, ctx in enumerate(contexts):
-            per = sums[m][:, ci]
+    for m in REFERENCES + MODELS:
+        if m not in sums:
+            continue
+        for ctx in layout.contexts if m in MODELS else ("full",):
+            per = sums[m][:, MODES.index(ctx)]
             loss[(m, ctx, "all")] = estimate(per.sum(axis=1), counts.sum(axis=1))
             for k, cls in enumerate(CLASSES):
                 loss[(m, ctx, cls)] = estimate(per[:, k], counts[:, k])
@@ -171,10 +212,10 @@ def aggregate(
 
     rels = {
         (ctx, bases): rel(loss[("baseline", ctx, bases)], loss[("checkpoint", ctx, bases)])
-        for ctx in contexts
+        for ctx in layout.contexts
         for bases in BASES
     }
-    overall_rel = {ctx: rel(overall[("baseline", ctx)], overall[("checkpoint", ctx)]) for ctx in contexts}
+    overall_rel = {ctx: rel(overall[("baseline", ctx)], overall[("checkpoint", ctx)]) for ctx in layout.contexts}
     return Results(layout, list(windows), counts, loss, rels, overall, overall_rel, dict(meta or {}))
 
 
@@ -183,17 +224,19 @@ def to_csv(res: Results) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
     edges = res.layout.bucket_edges()
-    for (model, ctx, bases), est in res.loss.items():
-        n = res.n_tokens(bases)
-        r = res.rel[(ctx, bases)] if model == "checkpoint" else None
-        for b in range(res.layout.n_buckets):
-            row = [model, ctx, bases, b, int(edges[b]), int(edges[b + 1]), int(n[b])]
-            for v in (est.value[b], est.lo[b], est.hi[b]):
-                row.append(_fmt(v))
-            for v in (est.value[b], est.lo[b], est.hi[b]):
-                row.append(_fmt(v / LN2))
-            row += [_fmt(v[b]) for v in (r.value, r.lo, r.hi)] if r is not None else ["", "", ""]
-            writer.writerow(row)
+    for model in res.models:
+        for ctx in res.contexts:
+            for bases in BASES:
+                est = res.loss.get((model, ctx, bases))
+                if est is None:
+                    continue
+                n = res.n_tokens(bases)
+                r = res.rel[(ctx, bases)] if model == "checkpoint" else None
+                for b in range(res.layout.n_buckets):
+                    row = [model, ctx, bases, b, int(edges[b]), int(edges[b + 1]), int(n[b])]
+                    row += [_fmt(v[b]) for v in (est.value, est.lo, est.hi)]
+                    row += [_fmt(v[b]) for v in (r.value, r.lo, r.hi)] if r is not None else ["", "", ""]
+                    writer.writerow(row)
     return buf.getvalue()
 
 
@@ -207,13 +250,15 @@ def to_json(res: Results) -> str:
 
     doc = {
         "meta": res.meta,
+        "units": UNITS,
         "seq": res.layout.seq,
         "bucket": res.layout.bucket,
         "control_context": res.layout.control,
+        "controls": list(res.layout.controls),
         "bucket_edges": [int(e) for e in res.layout.bucket_edges()],
         "windows": [{"record": r, "start": s, "reverse": v} for r, s, v in res.windows],
         "n_tokens": {bases: [int(x) for x in res.n_tokens(bases)] for bases in BASES},
-        "loss_nats": [
+        "bits_per_base": [
             {"model": m, "context": c, "bases": b, "value": arr(e.value), "lo": arr(e.lo), "hi": arr(e.hi)}
             for (m, c, b), e in res.loss.items()
         ],
@@ -226,31 +271,84 @@ def to_json(res: Results) -> str:
     return json.dumps(doc, indent=1) + "\n"
 
 
-def _pct(e: dict[str, float | None]) -> str:
+def _signed(x: float, digits: int) -> str:
+    """+1.25 / -0.50 / +0.00: a value that rounds to zero is printed as +0, never as -0."""
+    text = f"{x:+.{digits}f}"
+    return "+" + text[1:] if float(text) == 0 else text
+
+
+def pct(e: dict[str, float | None]) -> str:
+    """A relative change with its interval, in percent."""
     if e["value"] is None:
         return "n/a"
-    return f"{100 * e['value']:+.2f}% [{100 * e['lo']:+.2f}, {100 * e['hi']:+.2f}]"
+    return f"{_signed(100 * e['value'], 2)}% [{_signed(100 * e['lo'], 2)}, {_signed(100 * e['hi'], 2)}]"
+
+
+def bits(e: dict[str, float | None], signed: bool = False) -> str:
+    """A bits/base value with its interval (none shown when it has no width, as for uniform)."""
+    if e["value"] is None:
+        return "n/a"
+
+    def f(x: float) -> str:
+        return _signed(x, 4) if signed else f"{x:.4f}"
+
+    if e["lo"] is None or e["lo"] == e["hi"]:
+        return f(e["value"])
+    return f"{f(e['value'])} [{f(e['lo'])}, {f(e['hi'])}]"
+
+
+def model_names(res: Results) -> dict[str, str]:
+    """Display names: the compared models' labels, the yardsticks with their parameters."""
+    labels = {m: (res.meta.get("models", {}).get(m, {}) or {}).get("label") or m for m in MODELS}
+    markov = res.meta.get("markov") or {}
+    labels["uniform"] = "uniform"
+    labels["markov"] = f"Markov order {markov['order']}" if "order" in markov else "Markov"
+    return labels
+
+
+def control_description(res: Results, ctx: str) -> str:
+    c, c2 = fmt_len(res.layout.control), fmt_len(2 * res.layout.control)
+    if ctx == "truncated":
+        return f"truncated control (only the last {c}-{c2} bases of context)"
+    return f"shuffled control (context beyond the last {c}-{c2} bases dinucleotide-shuffled)"
 
 
 def summary_text(res: Results) -> str:
     s = res.summary()
-    base, ck = s["baseline_loss_nats"]["value"], s["checkpoint_loss_nats"]["value"]
+    names = model_names(res)
+    bpb = s["bits_per_base"]
     lines = [
         f"{s['n_windows']} windows of {fmt_len(res.layout.seq)}, {s['n_tokens']:,} scored bases, "
         f"buckets of {fmt_len(res.layout.bucket)}; 95% bootstrap intervals over windows",
-        f"held-out loss: baseline {base:.4f} -> checkpoint {ck:.4f} nats/base "
-        f"({base / LN2:.4f} -> {ck / LN2:.4f} bits/base), change {_pct(s['overall_rel_change'])}",
-        f"early ({s['early_bucket']}): {_pct(s['early_rel_change'])}   late ({s['late_bucket']}): "
-        f"{_pct(s['late_rel_change'])}   late - early: {_pct(s['late_minus_early'])}",
     ]
-    if "long_range_late" in s:
-        c = fmt_len(res.layout.control)
+    if s["interval_warning"]:
+        lines.append(f"WARNING: {s['interval_warning']}")
+    lines.append("held-out loss in bits/base (probabilities renormalised over A, C, G, T; uniform guessing = 2):")
+    lines.append("  " + " | ".join(f"{names[m]} {bits(bpb[m])}" for m in res.models))
+    if "minus_markov_bits" in s:
+        diffs = ", ".join(f"{names[m]} {bits(s['minus_markov_bits'][m], signed=True)}" for m in MODELS)
+        lines.append(f"  minus {names['markov']} (below 0 = better than the Markov model): {diffs}")
+    lines.append(
+        f"change vs baseline: overall {pct(s['overall_rel_change'])}; early ({s['early_bucket']}) "
+        f"{pct(s['early_rel_change'])}; late ({s['late_bucket']}) {pct(s['late_rel_change'])}; "
+        f"late - early {pct(s['late_minus_early'])}"
+    )
+    for ctx in res.layout.controls:
+        diffs = ", ".join(f"{names[m]} {bits(s[f'late_{ctx}_minus_full_bits'][m], signed=True)}" for m in MODELS)
+        lines += [
+            f"{control_description(res, ctx)}: late change {pct(s[f'late_rel_change_{ctx}'])}; "
+            f"long-range part of the late change (full - {ctx}) {pct(s[f'long_range_late_{ctx}'])}",
+            f"  late bucket, {ctx} minus full context, bits/base (above 0 = the real context helps): {diffs}",
+        ]
+    markov = res.meta.get("markov") or {}
+    if markov:
         lines.append(
-            f"control (context {c}-{fmt_len(2 * res.layout.control)}), late: {_pct(s['late_rel_change_control'])}"
-            f"   long-range part of the late gain (full - control): {_pct(s['long_range_late'])}"
+            f"Markov model: order {markov['order']} (of 0-{markov['max_order']}), add-{markov['alpha']:g} smoothing, "
+            f"fitted on {markov['train_bases']:,} train bases, chosen on {markov['validation']}"
         )
     timing = res.meta.get("seconds_per_window") or {}
     if any(v is not None for v in timing.values()):
-        parts = [f"{m} {v:.2f} s" for m, v in timing.items() if v is not None]
-        lines.append("scoring time per window (full context + control): " + ", ".join(parts))
+        parts = [f"{names.get(m, m)} {v:.2f} s" for m, v in timing.items() if v is not None]
+        what = " + ".join(res.contexts)
+        lines.append(f"scoring time per window ({what}): " + ", ".join(parts))
     return "\n".join(lines) + "\n"

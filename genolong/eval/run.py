@@ -2,10 +2,11 @@
 
 Models are scored one after the other, never together: only one model is in memory at a time
 (a GLM-size checkpoint and its baseline would not fit side by side), and each finished window
-is appended to the partial file before the next starts. Outputs (positional.csv,
-positional.json, positional.png, summary.txt) are written atomically at the end, from the
-partial file, so a rerun after an interruption, or with a larger --max-windows, only scores
-what is missing.
+is appended to the partial file before the next starts. The Markov yardstick is scored on the
+same windows at the end (milliseconds per window, so it is not stored). Outputs
+(positional.csv, positional.json, positional.png, summary.txt) are written atomically at the
+end, from the partial file, so a rerun after an interruption, or with a larger --max-windows,
+only scores what is missing.
 """
 
 from __future__ import annotations
@@ -25,12 +26,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from genolong.errors import GenolongError
 from genolong.eval import report
+from genolong.eval.markov import MarkovModel
 from genolong.eval.plot import plot_positional
-from genolong.eval.positional import Layout, ModelScorer, score_window
+from genolong.eval.positional import Layout, ModelScorer, reduce_window, score_window
 from genolong.eval.store import PartialResults, write_atomic
 from genolong.model import ops
+from genolong.units import format_length
 
 ROLES = ("baseline", "checkpoint")
+# Part of the partial file's header: results scored another way (nats over the whole vocabulary,
+# before this version) must not be mixed with these.
+SCORING = "bits per base, probabilities renormalised over A, C, G, T"
 
 
 class Window(Protocol):
@@ -49,7 +55,8 @@ class ModelSpec:
     label: str  # short name for the plot and the summary
     architecture: dict[str, Any]  # the model config; baseline and checkpoint must agree
     token_map: list[int]  # model token id of each DNA id; must agree too
-    identity: dict[str, Any] = field(default_factory=dict)  # resolved path, step, weight file stamps
+    # model_dir (where it was found; provenance only) and fingerprint (its content: what a rerun must match)
+    identity: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,24 +130,43 @@ def evaluate(
     data_identity: dict[str, Any] | None = None,
     data_path: str | None = None,
     echo: Callable[[str], None] = print,
+    markov: MarkovModel | Callable[[], MarkovModel] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> report.Results:
-    """Score, aggregate, write. `windows()` restarts the tiling; `make_scorer(role)` loads a model."""
+    """Score, aggregate, write. `windows()` restarts the tiling; `make_scorer(role)` loads a model;
+    `markov` (a model, or a function fitting one, called once the partial file is accepted and
+    before any model is scored) is scored beside the models as a yardstick; `note` gets progress
+    messages (the CLI sends them to stderr)."""
     layout = settings.layout
     check_compatible(specs)
     keys = [(w.record, int(w.start), bool(w.reverse)) for w in windows()]
     if not keys:
         raise GenolongError("the holdout split has no usable window: use a smaller --seq or a larger --max-n-fraction")
 
+    # What the scores depend on. Not paths (a copied run or data directory resumes), not the
+    # bootstrap (recomputed from the scores every time).
     fingerprint = {
+        "scoring": SCORING,
         "seq": layout.seq,
         "bucket": layout.bucket,
         "control_context": layout.control,
+        "controls": list(layout.controls),
         "max_n_fraction": settings.max_n_fraction,
         "dtype": settings.dtype,
         "data": data_identity or {},
-        "models": {role: {"architecture": s.architecture, "token_map": s.token_map, **s.identity} for role, s in specs.items()},
+        "models": {
+            role: {"architecture": s.architecture, "token_map": s.token_map, "fingerprint": s.identity.get("fingerprint")}
+            for role, s in specs.items()
+        },
     }
     partial = PartialResults(settings.out_dir, fingerprint, overwrite=settings.overwrite)
+    if note and layout.controls:
+        # Each control costs whole extra passes: say how many before hours of GPU time go into them.
+        cost = layout.forward_tokens()
+        parts = ", ".join(f"{c} +{cost[c] / cost['full']:.2f}" for c in layout.controls)
+        note(f"controls at C = {format_length(layout.control)}: {parts} full passes per window and model")
+    if callable(markov):
+        markov = markov()
 
     with _progress(settings.progress) as bar:
         for role in ROLES:
@@ -163,6 +189,10 @@ def evaluate(
                 torch.cuda.empty_cache()
 
     scores = {role: [partial.get(role, k) for k in keys] for role in ROLES}
+    if markov is not None:
+        scores["markov"] = [
+            reduce_window(markov.losses(w.tokens), {}, w.tokens, w.repeat_mask, layout) for w in _limit(windows(), len(keys))
+        ]
     meta = {
         # Which implementation each hot op ran while scoring in this invocation (seed lesson 1:
         # verify the kernels); empty when every window was already in the partial file.
@@ -172,6 +202,8 @@ def evaluate(
         "max_n_fraction": settings.max_n_fraction,
         "dtype": settings.dtype,
         "seconds_per_window": _timing(partial, keys),
+        "forward_tokens_per_window": layout.forward_tokens(),
+        "markov": markov.info if markov is not None else None,
         "n_boot": settings.n_boot,
         "seed": settings.seed,
     }
@@ -182,7 +214,7 @@ def evaluate(
 
 
 def _timing(partial: PartialResults, keys: list) -> dict[str, float | None]:
-    """Mean wall seconds to score one window (full context + control), per model; None if untimed."""
+    """Mean wall seconds to score one window (full context + controls), per model; None if untimed."""
     out = {}
     for role in ROLES:
         times = [partial.seconds.get(role, {}).get(k) for k in keys]

@@ -13,12 +13,24 @@ import importlib
 
 # op -> [(implementation name, module, function)], in order of preference.
 FUSED = {
-    "dsa_sparse_attention": [("tilelang_sparse_mla", "genolong.kernels.dsa_sparse_tilelang", "dsa_sparse_attention")],
+    # The few-head Triton kernel first; megatron-core's padded TileLang kernel stays selectable
+    # (and is the benchmarks' baseline).
+    "dsa_sparse_attention": [("triton_sparse_mla", "genolong.kernels.sparse_mla", "dsa_sparse_attention"),
+                             ("tilelang_sparse_mla", "genolong.kernels.dsa_sparse_tilelang", "dsa_sparse_attention")],
     # indexer_topk.dsa_indexer_topk_chunked (plain PyTorch) is deliberately not registered: a
     # Triton failure must show up as a fallback, not as a silent 10x slower path.
-    "dsa_indexer_topk": [("triton_two_pass", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused")],
+    # v2 (in-kernel selections) first again, awaiting its GPU proof: on the H200 (2026-12-01,
+    # benchmarks/h200-2026-12-01/call2-idxloss.log) its pass 1 asked for 291 KiB of shared memory;
+    # it now fits in the JIT-specialised sm_90 build (164 KiB at 4 heads, 80.5 KiB at 32,
+    # tests/kernels/test_compile.py). v1 stays behind it and selectable by name.
+    "dsa_indexer_topk": [
+        ("triton_fused_select", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused_select"),
+        ("triton_two_pass", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused"),
+    ],
     "kda": [("fla_chunk_kda", "genolong.kernels.kda_fla", "kda_fla")],
+    "kda_short_conv": [("fla_causal_conv1d", "genolong.kernels.kda_conv_fla", "short_conv_fla")],
     "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe_grouped", "moe_experts_grouped")],
+    "dsa_indexer_loss": [("triton_pool_kl", "genolong.kernels.indexer_loss", "dsa_indexer_loss_fused")],
 }
 
 # The references live beside the layers that use them; importing those modules registers them.

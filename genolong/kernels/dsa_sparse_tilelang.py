@@ -18,6 +18,9 @@ selects up to 2051 keys. What was read in the kernel source, and what the paddin
   checks it), so 4 heads need no copy. More than 64 heads must be a multiple of 64.
 - All offsets in the generated code are 64-bit, so 1M-token inputs do not overflow; queries
   are still processed in chunks sized from a memory budget, to bound the padded copies.
+- The forward's lse is base 2 (log2 of the sum of exp, the scale folded with log2(e)) and 0 for
+  a row without keys (its max starts at -2^30, its sum stays 0, `log2` is skipped). The op's
+  `return_lse` wants natural log and -inf there: `natural_lse` converts.
 
 `Backend` is the pair of kernel calls; `emulated_backend()` is the same contract in plain
 PyTorch (documenting the semantics above), which lets the padding, chunking and gradient
@@ -43,6 +46,7 @@ TOPK_MULTIPLE = 64
 SEQ_BUCKET = 256
 QUERY_BUDGET_BYTES = 2 << 30
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,7 @@ def _chunk_inputs(q, indices, t0, t1):
 
 class _PaddedSparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, scale, backend, chunk):
+    def forward(ctx, q, kv, indices, scale, backend, chunk, return_lse):
         batch, seq, heads, _ = q.shape
         kv576 = _pad_kv(kv)
         out = _common.empty((batch, seq, heads, VALUE_DIM), dtype=q.dtype, device=q.device)
@@ -180,10 +184,14 @@ class _PaddedSparseMLA(torch.autograd.Function):
             lse[:, t0:t1] = l[:, : t1 - t0]
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.scale, ctx.backend, ctx.chunk = scale, backend, chunk
-        return out
+        if not return_lse:
+            return out
+        natural = natural_lse(lse, indices)
+        ctx.mark_non_differentiable(natural)
+        return out, natural
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse=None):
         q, kv, indices, out, lse = ctx.saved_tensors
         seq, kv_len = q.shape[1], kv.shape[1]
         kv576 = _pad_kv(kv)
@@ -203,22 +211,29 @@ class _PaddedSparseMLA(torch.autograd.Function):
                 dkv = part
             else:  # several chunks: sum their (bf16-rounded) contributions in fp32
                 dkv = part.float() if dkv is None else dkv.add_(part)
-        return dq, dkv.to(kv.dtype), None, None, None, None
+        return dq, dkv.to(kv.dtype), None, None, None, None, None
 
 
-def sparse_attention(q, kv, indices, *, scale: float, backend: Backend, budget_bytes: int = QUERY_BUDGET_BYTES):
+def natural_lse(lse2: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The kernels' base-2 lse [B,T,H] -> the contract's natural-log lse, -inf for a row without keys."""
+    has_key = (indices >= 0).any(-1, keepdim=True)
+    return torch.where(has_key, lse2 * LN2, float("-inf"))
+
+
+def sparse_attention(q, kv, indices, *, scale: float, backend: Backend, budget_bytes: int = QUERY_BUDGET_BYTES,
+                     return_lse: bool = False):
     """The op on any backend (no device checks): the padding/chunking path the tests exercise."""
     chunk = query_chunk(q.shape[2], indices.shape[-1], budget_bytes)
-    return _PaddedSparseMLA.apply(q, kv, indices.contiguous(), float(scale), backend, chunk)
+    return _PaddedSparseMLA.apply(q, kv, indices.contiguous(), float(scale), backend, chunk, return_lse)
 
 
-def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float) -> torch.Tensor:
+def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, return_lse: bool = False):
     """The "dsa_sparse_attention" op (docs/ops.md) on megatron-core's TileLang kernels."""
     _common.require_cuda(q, kv, indices)
     check_supported(q, kv, indices)
     if not math.isfinite(scale):
         raise KernelUnsupported(f"scale must be finite, got {scale}")
-    return sparse_attention(q, kv, indices, scale=scale, backend=_backend())
+    return sparse_attention(q, kv, indices, scale=scale, backend=_backend(), return_lse=return_lse)
 
 
 _BACKEND: Backend | None = None

@@ -8,6 +8,10 @@ afterwards. That is the hot op "dsa_sparse_attention" (docs/ops.md), restricted 
 indexer's selection; `sparse_attention_reference` below is its oracle, chunked over queries.
 
 Head counts come from the weights (kv_b_proj's rows), so a caller may run a subset of heads.
+
+The indexer is frozen unless `indexer_loss` is set from outside (genolong/train/indexer.py):
+then the layer also trains it with its KL loss (genolong/model/indexer_loss.py), and a
+`recall_probe` measures how much dense attention the selection keeps.
 """
 
 from __future__ import annotations
@@ -18,23 +22,28 @@ import torch.nn as nn
 from genolong.model import ops
 from genolong.model.config import DSAConfig
 from genolong.model.indexer import Indexer
+from genolong.model.indexer_loss import DENSE, IndexerLossSwitch, attach_indexer_loss, dense_warmup
+from genolong.model.indexer_recall import RecallProbe
 from genolong.model.norms import RMSNorm
+from genolong.model.piece import SequencePiece
 
 # Upper bound on gathered-latent elements per query chunk in the reference.
 _GATHER_ELEMENTS = 1 << 24
 
 
 def sparse_attention_reference(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float
-) -> torch.Tensor:
-    """The "dsa_sparse_attention" op: q [B,T,H,Dl], kv [B,S,Dl], indices int32 [B,T,W] -> [B,T,H,Dl].
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, return_lse: bool = False
+):
+    """The "dsa_sparse_attention" op: q [B,T,H,Dl], kv [B,S,Dl], indices int32 [B,T,W] -> [B,T,H,Dl],
+    and with `return_lse` also the natural-log log-sum-exp [B,T,H] (no gradient; fp32, or the
+    input's dtype if wider).
 
-    A query whose slots are all -1 attends to nothing and gets zeros.
+    A query whose slots are all -1 attends to nothing and gets zeros (and lse -inf).
     """
     batch, seq, _, latent = q.shape
     width = indices.shape[-1]
     step = max(1, _GATHER_ELEMENTS // max(1, batch * width * latent))
-    outputs = []
+    outputs, lses = [], []
     for t0 in range(0, seq, step):
         idx = indices[:, t0 : t0 + step].long()
         rows = idx.shape[1]
@@ -47,7 +56,10 @@ def sparse_attention_reference(
         scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
         outputs.append(torch.matmul(probs, gathered))
-    return torch.cat(outputs, dim=1)
+        if return_lse:
+            lses.append(torch.logsumexp(scores.detach(), dim=-1))
+    out = torch.cat(outputs, dim=1)
+    return (out, torch.cat(lses, dim=1)) if return_lse else out
 
 
 ops.register("dsa_sparse_attention", ops.REFERENCE, sparse_attention_reference)
@@ -71,27 +83,60 @@ class DSAAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.v_head_dim, hidden, bias=bias)
         # A "shared" layer has no indexer (and no indexer weights in the checkpoint).
         self.indexer = Indexer(hidden, cfg.q_lora_rank, cfg.indexer, layer_idx) if has_indexer else None
+        # Set from outside (genolong/train/indexer.py), None by default: the indexer is frozen and
+        # the layer does exactly what it did before the indexer could learn.
+        self.indexer_loss: IndexerLossSwitch | None = None
+        self.recall_probe: RecallProbe | None = None
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_uk [H, Dqk, Dl] and W_uv [H, Dv, Dl]."""
         w = self.kv_b_proj.weight.view(-1, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_head_dim], w[:, self.qk_head_dim :]
 
-    def forward(self, x: torch.Tensor, topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, topk: torch.Tensor | None = None, *, piece: SequencePiece | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B,T,hidden] -> (output [B,T,hidden], the top-k indices used). `topk` is required
-        exactly when this layer has no indexer of its own."""
+        exactly when this layer has no indexer of its own.
+
+        `piece` (context parallelism, genolong/model/piece.py): x holds the tokens at positions
+        piece.offset + [0, T) of longer sequences. The queries stay this piece's; the keys (the
+        latent and the indexer's pooled keys) are gathered over the whole sequence, so the
+        selections and outputs are those of the whole-sequence layer for these queries."""
         batch, seq = x.shape[:2]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(batch, seq, -1, self.qk_head_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        if self.indexer is not None:
-            topk = self.indexer(x, q_resid)
-        elif topk is None:
-            raise ValueError(
-                f"layer {self.layer_idx}: a shared-indexer DSA layer needs the previous full layer's top-k"
-            )
+        if piece is not None:
+            latent = piece.gather(latent)
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.einsum("bthd,hdl->bthl", q, w_uk)
-        o_latent = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale)
+        switch = self.indexer_loss if self.indexer is not None else None
+        if self.indexer is None:
+            if topk is None:
+                raise ValueError(
+                    f"layer {self.layer_idx}: a shared-indexer DSA layer needs the previous full layer's top-k"
+                )
+        elif switch is not None and switch.mode == DENSE:
+            topk = dense_warmup(self.indexer, x, q_resid, q_latent, latent, scale=self.scale, switch=switch, piece=piece)
+        elif piece is None:  # (a tensor-parallel indexer overrides forward(x, q_resid) without a piece)
+            topk = self.indexer(x, q_resid)
+        else:
+            topk = self.indexer(x, q_resid, piece=piece)
+        if self.recall_probe is not None and self.indexer is not None:
+            self.recall_probe.measure(
+                self.layer_idx, q_latent, latent, topk, scale=self.scale, width=self.indexer.cfg.width, piece=piece
+            )
+        # The sparse indexer loss needs the attention's lse, and a backward to run in.
+        sparse_loss = switch is not None and switch.mode != DENSE and torch.is_grad_enabled()
+        if sparse_loss:
+            o_latent, lse = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale, return_lse=True)
+        else:
+            o_latent = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale)
         o = torch.einsum("bthl,hvl->bthv", o_latent, w_uv).reshape(batch, seq, -1)
-        return self.o_proj(o), topk
+        out = self.o_proj(o)
+        if sparse_loss:
+            out = attach_indexer_loss(
+                out, self.indexer, x, q_resid, q_latent, latent, topk, lse, scale=self.scale, switch=switch, piece=piece
+            )
+        return out, topk

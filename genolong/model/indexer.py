@@ -5,13 +5,18 @@ average: gate scores from the hidden state plus a position-in-pool bias). Each q
 every complete pool that has ended by its position, keeps the best `topk // kpool`, and (by
 default) also takes its own incomplete tail pool, so it always sees its most recent tokens.
 
-The indexer is frozen (run under no_grad, like the reference): it receives no gradient from
-the language-modelling loss. See docs/model.md for that decision. Scoring is the hot op
-"dsa_indexer_topk"; `indexer_topk_reference` below is its oracle, chunked over queries so the
-[queries x pools] score matrix never exists whole (seed optimization 2).
+The selection is discrete, so the language-modelling loss never reaches the indexer. By default
+it is frozen (run under no_grad, like the reference); trained, it learns only from its own KL
+loss against the main attention (genolong/model/indexer_loss.py, docs/model.md), which is why
+`project` (the differentiable part: queries, pooled keys, head weights) is separate from
+`select` (the top-k). Scoring is the hot op "dsa_indexer_topk"; `indexer_topk_reference` below
+is its oracle, chunked over queries so the [queries x pools] score matrix never exists whole
+(seed optimization 2).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 
 from genolong.model import ops
 from genolong.model.config import IndexerConfig
+from genolong.model.piece import SequencePiece
 
 # Upper bound on score-matrix elements per query chunk in the reference (fp32: 256 MiB).
 _SCORE_ELEMENTS = 1 << 26
@@ -33,21 +39,28 @@ def indexer_topk_reference(
     topk_pools: int,
     always_select_tail: bool,
     softmax_scale: float,
+    query_offset: int = 0,
 ) -> torch.Tensor:
-    """The "dsa_indexer_topk" op (docs/ops.md) -> int32 [B, T, W], -1 for unused slots."""
+    """The "dsa_indexer_topk" op (docs/ops.md) -> int32 [B, T, W], -1 for unused slots.
+
+    The queries sit at sequence positions query_offset + [0, T) and the pools cover the sequence
+    from position 0, so a piece of a sequence (context parallelism) selects exactly what the
+    same queries select when the whole sequence is scored at once; indices are global positions.
+    """
     batch, seq, heads, _ = index_q.shape
-    n_pools = pool_keys.shape[1]
     device = index_q.device
+    # Pools past the last query's position can never be selected: leave them out of the products.
+    n_pools = min(pool_keys.shape[1], (query_offset + seq) // kpool)
     select = min(topk_pools, n_pools)
     width = topk_pools * kpool + (kpool - 1 if always_select_tail else 0)
     out = torch.full((batch, seq, width), -1, dtype=torch.int32, device=device)
 
-    keys_t = pool_keys.float().transpose(-1, -2).unsqueeze(1)  # [B, 1, D, P]
+    keys_t = pool_keys[:, :n_pools].float().transpose(-1, -2).unsqueeze(1)  # [B, 1, D, P]
     in_pool = torch.arange(kpool, device=device)
     step = max(1, _SCORE_ELEMENTS // max(1, batch * heads * n_pools))
     for t0 in range(0, seq, step):
         t1 = min(seq, t0 + step)
-        t = torch.arange(t0, t1, device=device)
+        t = torch.arange(query_offset + t0, query_offset + t1, device=device)
         # Pools whose last token is at or before the query: p < (t + 1) // kpool.
         n_visible = (t + 1) // kpool
         if select > 0:
@@ -68,6 +81,15 @@ def indexer_topk_reference(
 
 
 ops.register("dsa_indexer_topk", ops.REFERENCE, indexer_topk_reference)
+
+
+class IndexerProjections(NamedTuple):
+    """What the indexer scores with: index_q [B,T,Hi,Di], pool_keys [B,P,Di], head_weights [B,T,Hi]
+    fp32 (already times Hi^-0.5). The indexer's parameters act only through these three."""
+
+    index_q: torch.Tensor
+    pool_keys: torch.Tensor
+    head_weights: torch.Tensor
 
 
 class Indexer(nn.Module):
@@ -94,21 +116,48 @@ class Indexer(nn.Module):
         weights = (logits.float() + self.index_kpool_compress_ape.float()).softmax(dim=2).to(keys.dtype)
         return (weights * keys).sum(dim=2)
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
-        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank]."""
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index_q [B,T,Hi,Di], head_weights fp32 [B,T,Hi]) of the tokens of x [B,T,hidden] and
+        q_resid [B,T,q_lora_rank]: per token, so any slice of queries can be computed alone."""
         batch, seq = x.shape[:2]
         index_q = self.wq_b(q_resid).view(batch, seq, -1, self.cfg.head_dim)
         # Scaled by the configured head count, so a head-sliced indexer scores like the whole one.
         head_weights = self.weights_proj(x).float() * self.cfg.n_heads**-0.5
+        return index_q, head_weights
+
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor, piece: SequencePiece | None = None) -> IndexerProjections:
+        """x: the attention input [B, T, hidden]; q_resid: the normed q latent [B, T, q_lora_rank].
+        With a `piece` (context parallelism) the queries are the piece's and the pooled keys the whole
+        sequence's: each piece pools its own (whole) pools, then they are gathered."""
+        index_q, head_weights = self.queries(x, q_resid)
+        pool_keys = self.pool_keys(x)
+        if piece is not None:
+            pool_keys = piece.gather(pool_keys)
+        return IndexerProjections(index_q, pool_keys, head_weights)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.cfg.head_dim**-0.5
+
+    @torch.no_grad()
+    def select(self, proj: IndexerProjections, query_offset: int = 0) -> torch.Tensor:
+        """The top-k token indices int32 [B, T, W] (docs/ops.md "dsa_indexer_topk"); the queries sit
+        at positions query_offset + [0, T) of the sequence the pooled keys cover."""
         return ops.call(
             "dsa_indexer_topk",
             self.layer_idx,
-            index_q,
-            self.pool_keys(x),
-            head_weights,
+            proj.index_q,
+            proj.pool_keys,
+            proj.head_weights,
             kpool=self.cfg.kpool,
             topk_pools=self.cfg.topk_pools,
             always_select_tail=self.cfg.always_select_tail,
-            softmax_scale=self.cfg.head_dim**-0.5,
+            softmax_scale=self.softmax_scale,
+            query_offset=query_offset,
         )
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, piece: SequencePiece | None = None) -> torch.Tensor:
+        """The frozen indexer: top-k indices, nothing kept for backward. With a `piece`: the piece's
+        queries against the whole sequence's pools, indices global (see `project`)."""
+        return self.select(self.project(x, q_resid, piece), query_offset=0 if piece is None else piece.offset)

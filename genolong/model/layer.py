@@ -14,7 +14,7 @@ import torch.nn as nn
 from genolong.model.config import LAYER_KDA, MLP_MOE, ModelConfig
 from genolong.model.dsa import DSAAttention
 from genolong.model.kda import KimiDeltaAttention
-from genolong.model.mhc import HyperConnection, expand
+from genolong.model.mhc import HyperConnection
 from genolong.model.mlp import DenseMLP
 from genolong.model.moe import MoE
 from genolong.model.norms import RMSNorm
@@ -48,9 +48,9 @@ class DecoderLayer(nn.Module):
             x = self.self_attn(x)
         else:
             x, topk = self.self_attn(x, topk if self.reuses_topk else None)
-        streams = expand(post, comb, x, streams)
+        streams = self.attn_hc.expand(post, comb, x, streams)
 
         post, comb, x = self.ffn_hc(streams)
         x = self.mlp(self.post_attention_layernorm(x))
-        streams = expand(post, comb, x, streams)
+        streams = self.ffn_hc.expand(post, comb, x, streams)
         return (streams, topk) if self.emits_topk else streams

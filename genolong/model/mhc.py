@@ -12,6 +12,10 @@ No fp32 copy of the [B, T, n * hidden] input is made (seed optimization 7): the 
 is reduced in fp32 and applied to the n^2 + 2n projected logits instead (the norm is a per-row
 scalar, so linear(x * r) = r * linear(x)); the projection and the collapse run in the streams'
 dtype. In fp32 this is the reference's arithmetic up to rounding.
+
+The math is in module-level functions of tensors (`mix_weights`, `sinkhorn`, `collapse`,
+`expand`) so that genolong.train.compile can compile them once for every layer; the modules
+only hold the parameters. These eager functions are the references of the fused versions.
 """
 
 from __future__ import annotations
@@ -37,21 +41,28 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B,T,n,D] -> (post fp32 [B,T,n], comb fp32 [B,T,n,n], collapsed [B,T,D])."""
-        n = self.n
-        flat = streams.flatten(-2)
-        mean_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
-        logits = F.linear(flat, self.fn.to(flat.dtype)).float() * torch.rsqrt(mean_sq + self.rms_eps)
-        pre_l, post_l, comb_l = logits.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.float().unbind(0)
-
-        pre = torch.sigmoid(pre_l * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_l * post_s + post_b)
-        comb = torch.softmax((comb_l * comb_s + comb_b).unflatten(-1, (n, n)), dim=-1) + self.eps
+        pre, post, comb = mix_weights(streams, self.fn, self.base, self.scale, n=self.n, eps=self.eps, rms_eps=self.rms_eps)
         comb = sinkhorn(comb, self.sinkhorn_iters, self.eps)
+        return post, comb, collapse(pre, streams)
 
-        collapsed = torch.matmul(pre.to(streams.dtype).unsqueeze(-2), streams).squeeze(-2)
-        return post, comb, collapsed
+    def expand(self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The new streams after the sublayer (see `expand`); a method so that it can be swapped per instance."""
+        return expand(post, comb, out, residual)
+
+
+def mix_weights(streams, fn, base, scale, *, n: int, eps: float, rms_eps: float):
+    """(pre fp32 [.., n], post fp32 [.., n], comb fp32 [.., n, n] before Sinkhorn) from streams [.., n, D]."""
+    flat = streams.flatten(-2)
+    mean_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
+    logits = F.linear(flat, fn.to(flat.dtype)).float() * torch.rsqrt(mean_sq + rms_eps)
+    pre_l, post_l, comb_l = logits.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+
+    pre = torch.sigmoid(pre_l * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_l * post_s + post_b)
+    comb = torch.softmax((comb_l * comb_s + comb_b).unflatten(-1, (n, n)), dim=-1) + eps
+    return pre, post, comb
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -65,6 +76,11 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb
+
+
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The sublayer's input: sum_i pre[i] * streams[i], in the streams' dtype."""
+    return torch.matmul(pre.to(streams.dtype).unsqueeze(-2), streams).squeeze(-2)
 
 
 def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, limit: float) -> torch.Tensor:
+    """down(clamped_swiglu(gate(x), up(x))): a function of tensors, so that it can be compiled once for every layer."""
+    return F.linear(clamped_swiglu(F.linear(x, gate_w), F.linear(x, up_w), limit), down_w)
+
+
 class DenseMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, swiglu_limit: float) -> None:
         super().__init__()
@@ -21,4 +26,4 @@ class DenseMLP(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.swiglu_limit)

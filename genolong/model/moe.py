@@ -28,25 +28,28 @@ def moe_experts_reference(
     *,
     swiglu_limit: float,
 ) -> torch.Tensor:
-    """The "moe_experts" op (docs/ops.md): x [N,D], topk_idx/topk_w [N,k] -> y [N,D] in x's dtype."""
+    """The "moe_experts" op (docs/ops.md): x [N,D], topk_idx/topk_w [N,k] -> y [N,D] in x's dtype.
+
+    The (token, expert) pairs are sorted by expert, so each expert's rows are one contiguous
+    slice: one gather of the inputs, one GEMM pair per expert that received tokens, the SwiGLU
+    once over all rows, and one weighted scatter-add back to the tokens.
+    """
     n_tokens, k = topk_idx.shape
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up_proj.shape[0]).tolist()
+    used = [e for e, c in enumerate(counts) if c]
+    sizes = [counts[e] for e in used]
     token = order // k
-    weight = topk_w.reshape(-1)[order]
-    y = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token[start : start + count]
-        gate, up = F.linear(x[rows], gate_up_proj[expert]).chunk(2, dim=-1)
-        out = F.linear(clamped_swiglu(gate, up, swiglu_limit), down_proj[expert])
-        # The fp32 combine weight promotes the product; the sum is kept in x's dtype like the reference.
-        y.index_add_(0, rows, (out * weight[start : start + count, None]).to(y.dtype))
-        start += count
-    return y
+    # unbind, not indexing per expert: one backward node instead of a full-size zero gradient per expert.
+    gate_up, down = gate_up_proj.unbind(0), down_proj.unbind(0)
+    hidden = torch.cat([F.linear(rows, gate_up[e]) for e, rows in zip(used, x[token].split(sizes))])
+    gate, up = hidden.chunk(2, dim=-1)
+    act = clamped_swiglu(gate, up, swiglu_limit)
+    out = torch.cat([F.linear(rows, down[e]) for e, rows in zip(used, act.split(sizes))])
+    # The fp32 combine weight promotes the product; the sum is kept in x's dtype like the reference.
+    # Rows are in expert order, so each token's contributions are added in expert order.
+    return torch.zeros_like(x).index_add_(0, token, (out * topk_w.reshape(-1)[order, None]).to(x.dtype))
 
 
 ops.register("moe_experts", ops.REFERENCE, moe_experts_reference)
@@ -62,20 +65,24 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (topk_idx int64 [N, k], topk_w fp32 [N, k])."""
-        cfg = self.cfg
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        if cfg.n_group > 1:
-            # Keep the topk_group groups whose two best experts score highest.
-            grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
-            best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices
-            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
-        topk_idx = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
-        topk_w = scores.gather(1, topk_idx)
-        if cfg.norm_topk_prob:
-            topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_idx, topk_w * cfg.routed_scaling_factor
+        return route(x, self.weight, self.e_score_correction_bias, self.cfg)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's math as a function of tensors (genolong.train.compile compiles it once for every layer)."""
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    choice = scores + correction_bias.float()
+    if cfg.n_group > 1:
+        # Keep the topk_group groups whose two best experts score highest.
+        grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
+        best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
+    topk_idx = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
+    topk_w = scores.gather(1, topk_idx)
+    if cfg.norm_topk_prob:
+        topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_idx, topk_w * cfg.routed_scaling_factor
 
 
 class Experts(nn.Module):

@@ -18,16 +18,28 @@ Atomicity: a checkpoint is written into `checkpoints/.tmp-step_N-<pid>` (files f
 atomic rename). A crash at any point leaves either no `step_N` or a complete one; `latest()`
 also checks the manifest against the files, so a directory damaged later is skipped too.
 Pruning removes the manifest first, so a half-deleted checkpoint never looks complete.
+A save holds Ctrl-C / SIGTERM back until it is done (genolong.train.lifeline.uninterruptible);
+a save killed outright (SIGKILL, power loss) leaves only its `.tmp-step_N-<pid>` directory, which
+the next save or resume of the run removes, with a line on stderr.
+
+The run directory is locked (`RUN_DIR/.lock`, an advisory `flock` held by the training process
+and released by the kernel however it exits), so two processes never train into one directory
+and every temporary directory found by the lock's holder is stale.
+
+Recovery (docs/training.md, "Interrupted runs"): a run with a complete checkpoint continues with
+`--resume RUN_DIR`; a run without one is started again with `--overwrite`.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +48,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genolong.errors import GenolongError
+from genolong.train.lifeline import uninterruptible
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -44,7 +57,10 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer_state.json"
 OPTIONS_FILE = "options.json"
 METRICS_FILE = "metrics.jsonl"
+LOCK_FILE = ".lock"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# Only genolong's own temporary names: a save in progress and a pruned checkpoint being deleted.
+_STALE_DIR = re.compile(r"^\.(tmp|trash)-step_\d{8}-\d+$")
 
 
 def step_dir_name(step: int) -> str:
@@ -65,6 +81,12 @@ def save(
     """
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(run_dir)
+    with uninterruptible(f"checkpoint {step_dir_name(step)}"):
+        return _save(root, step, write_model, optimizer_state, trainer_state, keep_last)
+
+
+def _save(root: Path, step: int, write_model, optimizer_state, trainer_state, keep_last: int) -> Path:
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     if tmp.exists():
@@ -88,7 +110,7 @@ def save(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune(run_dir, keep_last)
+    prune(root.parent, keep_last)
     return final
 
 
@@ -138,10 +160,138 @@ def check_run_dir(run_dir: str | Path) -> Path:
     ckpt = latest(run)
     if ckpt is None:
         raise GenolongError(
-            f"--resume {run_dir}: the run has no complete checkpoint yet (none saved before it stopped); "
-            "start it again without --resume, or with --save-every N to checkpoint more often"
+            f"--resume {run_dir}: the run has no complete checkpoint (it stopped before its first save), so there is nothing to continue; "
+            f"start it again with its original command plus --overwrite (replaces {run_dir}); --save-every N checkpoints more often"
         )
     return ckpt
+
+
+# ------------------------------------------------------------------------------- run directory
+
+
+def _planned_steps(run: Path) -> int | None:
+    try:
+        return int(json.loads((run / OPTIONS_FILE).read_text(encoding="utf-8"))["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(_STEP_DIR.match(ckpt.name).group(1))
+
+
+def describe_progress(run_dir: str | Path) -> str:
+    """"last complete checkpoint: step 20 of 80" or "no complete checkpoint"."""
+    run = Path(run_dir)
+    ckpt = latest(run)
+    if ckpt is None:
+        return "no complete checkpoint"
+    total = _planned_steps(run)
+    return f"last complete checkpoint: step {_step_of(ckpt)}" + (f" of {total}" if total else "")
+
+
+def recovery_hint(run_dir: str | Path) -> str:
+    """What to type next for a run that stopped early (one clause, for error and interrupt lines)."""
+    if latest(run_dir) is None:
+        return f"no complete checkpoint yet: start it again with the same command plus --overwrite (replaces {run_dir})"
+    return f"{describe_progress(run_dir)}: continue with `genolong finetune --resume {run_dir}`"
+
+
+def refuse_occupied(out: str | Path) -> None:
+    """--out without --resume/--overwrite: an existing run is never written over silently."""
+    if not (Path(out) / OPTIONS_FILE).exists():
+        return
+    if latest(out) is None:
+        raise GenolongError(
+            f"--out {out} holds a run that stopped before its first complete checkpoint; start it again by adding "
+            "--overwrite (replaces it), or pick a new --out"
+        )
+    raise GenolongError(
+        f"--out {out} already holds a run ({describe_progress(out)}); continue it with --resume {out}, "
+        "replace it with --overwrite, or pick a new --out"
+    )
+
+
+def check_replaceable(out: str | Path) -> None:
+    """--overwrite deletes only an earlier genolong run (or an empty directory), never other data."""
+    run = Path(out)
+    if run.is_symlink() or (run.exists() and not run.is_dir()):
+        raise GenolongError(f"--out {out} is not a directory; pick another --out")
+    if not run.is_dir():
+        return
+    others = [p.name for p in run.iterdir() if p.name != LOCK_FILE]
+    if others and not (run / OPTIONS_FILE).is_file():
+        raise GenolongError(
+            f"--overwrite: {out} is not a genolong run (no {OPTIONS_FILE}) and not empty, so it is not deleted; "
+            "pick another --out or empty it yourself"
+        )
+
+
+def clear_for_overwrite(run_dir: str | Path) -> None:
+    """Empty an earlier run's directory (kept, with its lock) for --overwrite; call with the lock held."""
+    run = Path(run_dir)
+    check_replaceable(run)
+    entries = [p for p in run.iterdir() if p.name != LOCK_FILE]
+    if not entries:
+        return
+    _notice(f"--overwrite: removing the earlier run in {run_dir} ({describe_progress(run)})")
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary directories of saves (or prunes) that crashed; returns what was removed.
+
+    Safe because the caller holds the run lock: no other process is writing into this run."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _STALE_DIR.match(p.name)]
+    for path in stale:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        shutil.rmtree(path, ignore_errors=True)
+        _notice(f"removed {path} ({size / 1e9:.2f} GB), left by a checkpoint save or prune that did not finish")
+    return stale
+
+
+@contextlib.contextmanager
+def locked(run_dir: str | Path):
+    """Hold RUN_DIR/.lock for the block (creating RUN_DIR); GenolongError if another process holds it."""
+    run = Path(run_dir)
+    created = not run.exists()
+    run.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the rest works the same
+        yield
+        return
+    fd = os.open(run / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            raise GenolongError(
+                f"{run_dir} is in use by another genolong training process (pid {holder}); wait for it or stop it, "
+                "or pick another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    except BaseException:
+        # A run refused before it wrote anything (bad input, the memory pre-flight) leaves no directory.
+        if created and [p.name for p in run.iterdir()] == [LOCK_FILE]:
+            shutil.rmtree(run, ignore_errors=True)
+        raise
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _notice(message: str) -> None:
+    print(f"genolong: {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------- RNG states

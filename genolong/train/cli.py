@@ -9,11 +9,14 @@ import typer
 from genolong.errors import GenolongError
 from genolong.train.plan_cli import plan  # noqa: F401  (mounted by genolong.cli)
 
-_MEM = "Memory optimizations (each can be switched off alone; --baseline switches all off)"
+_MEM = "Memory optimizations (each one can be turned off; --baseline: all off)"
 _RUN = "Run"
+_IDX = "DSA indexer training (default: frozen)"
+_BAL = "Expert balance and loss weighting"
 
 
 def finetune(
+    ctx: typer.Context,
     data: Annotated[str | None, typer.Option(help="A directory written by `genolong prepare`.", show_default=False)] = None,
     seq: Annotated[str, typer.Option(help="Tokens per sequence: 512k, 1M, 32k, 4096 (k = 1024).")] = "512k",
     preset: Annotated[str, typer.Option(help="Model preset to train from scratch: glm53-mini, glm-5.3-flash, tiny.")] = "glm53-mini",
@@ -24,8 +27,16 @@ def finetune(
     out: Annotated[str | None, typer.Option(help="Run directory (log, checkpoints).", show_default=False)] = None,
     resume: Annotated[
         str | None,
-        typer.Option(help="Continue the run in this directory from its latest complete checkpoint (its options are reused).", show_default=False),
+        typer.Option(
+            help="Continue the run in this directory from its latest complete checkpoint with its own options; only --steps, --stop-after, "
+            "--save-every, --keep-last and where it runs (--device, --dtype, --kernels, --compile, --launcher, --progress) can change.",
+            show_default=False,
+        ),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace an earlier run in --out (e.g. one interrupted before its first checkpoint); never other data."),
+    ] = False,
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 80,
     lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW).")] = 1e-4,
     warmup: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = 10,
@@ -44,16 +55,20 @@ def finetune(
     max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N bases.")] = 0.1,
     kernels: Annotated[
         str | None,
-        typer.Option(help="Hot-op policy: fused (fail loudly on a fallback), auto, reference [default: fused on CUDA, reference on CPU].", show_default=False),
+        typer.Option(help="Hot-op policy: fused (fail loudly on a fallback), auto, reference (default: fused on CUDA, reference on CPU).", show_default=False),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="cuda, cuda:1, cpu [default: cuda if available].", show_default=False)] = None,
+    device: Annotated[str | None, typer.Option(help="cuda, cuda:1, cpu (default: cuda if available).", show_default=False)] = None,
+    dtype: Annotated[str | None, typer.Option(help="bfloat16 or float32 parameters (default: bfloat16 on CUDA, float32 on CPU).", show_default=False)] = None,
     launcher: Annotated[str, typer.Option(help="local (a spawned worker process) or ray (a Ray actor).")] = "local",
-    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address [default: start a local Ray].", show_default=False)] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: start a local Ray).", show_default=False)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+    compile: Annotated[
+        bool, typer.Option("--compile/--no-compile", help="torch.compile the small ops (mHC, norms, router, SwiGLU) and run mHC's Sinkhorn as one Triton kernel.")
+    ] = False,
     recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Full-layer activation recompute (off also turns offload off).", rich_help_panel=_MEM)] = True,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Layer inputs to pinned host memory.", rich_help_panel=_MEM)] = True,
     offload_layers: Annotated[
-        int | None, typer.Option(help="Layers that offload [default: as many as the GPU budget needs].", rich_help_panel=_MEM, show_default=False)
+        int | None, typer.Option(help="Layers that offload (default: as many as the GPU budget needs).", rich_help_panel=_MEM, show_default=False)
     ] = None,
     pinned: Annotated[bool, typer.Option("--pinned/--no-pinned", help="Pinned (page-locked) host buffers.", rich_help_panel=_MEM)] = True,
     overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Offload copies on their own streams.", rich_help_panel=_MEM)] = True,
@@ -66,33 +81,57 @@ def finetune(
         bool, typer.Option("--chunked-loss/--no-chunked-loss", help="LM head + loss in chunks (no [T, vocab] logits).", rich_help_panel=_MEM)
     ] = True,
     loss_chunk: Annotated[
-        str | None, typer.Option(help="Tokens per loss chunk [default: ~1 GiB of fp32 logits].", rich_help_panel=_MEM, show_default=False)
+        str | None, typer.Option(help="Tokens per loss chunk (default: ~1 GiB of fp32 logits).", rich_help_panel=_MEM, show_default=False)
     ] = None,
-    gpu_budget: Annotated[float | None, typer.Option(help="GPU memory budget, GiB [default: the device's].", rich_help_panel=_MEM, show_default=False)] = None,
-    host_budget: Annotated[float | None, typer.Option(help="Pinned host memory budget, GiB [default: the machine's].", rich_help_panel=_MEM, show_default=False)] = None,
+    gpu_budget_gib: Annotated[
+        float | None, typer.Option(help="GPU memory the step may use, GiB (default: 92% of the device's).", rich_help_panel=_MEM, show_default=False)
+    ] = None,
+    host_budget_gib: Annotated[
+        float | None,
+        typer.Option(help="Host memory for offloaded layer inputs, GiB; on the CPU, for the whole run (default: 80% of the machine's RAM).", rich_help_panel=_MEM, show_default=False),
+    ] = None,
+    gpu_budget: Annotated[float | None, typer.Option(hidden=True)] = None,
+    host_budget: Annotated[float | None, typer.Option(hidden=True)] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Every memory optimization off (the stack out of the box).", rich_help_panel=_MEM)] = False,
     balance_rate: Annotated[
-        float, typer.Option(help="Expert-balance bias step per optimizer step (DeepSeek-V3's auxiliary-loss-free balancing; 0: off).")
+        float, typer.Option(help="Expert-balance bias step per optimizer step (DeepSeek-V3's auxiliary-loss-free balancing; 0: off).", rich_help_panel=_BAL)
     ] = 1e-3,
-    aux_loss_coeff: Annotated[float, typer.Option(help="Sequence-wise expert balance loss coefficient (DeepSeek-V3; 0: off, e.g. 1e-4).")] = 0.0,
-    repeat_weight: Annotated[float, typer.Option(help="Loss weight of soft-masked repeat bases (1: as others; Evo 2 uses 0.1).")] = 1.0,
+    aux_loss_coeff: Annotated[float, typer.Option(help="Sequence-wise expert balance loss coefficient (DeepSeek-V3; 0: off, e.g. 1e-4).", rich_help_panel=_BAL)] = 0.0,
+    repeat_weight: Annotated[float, typer.Option(help="Loss weight of soft-masked repeat bases (1: as others; Evo 2 uses 0.1).", rich_help_panel=_BAL)] = 1.0,
+    indexer_loss_coeff: Annotated[
+        float, typer.Option(help="Train the DSA indexer with its KL loss at this weight (0: frozen indexer).", rich_help_panel=_IDX)
+    ] = 0.0,
+    indexer_warmup_steps: Annotated[
+        int, typer.Option(help="First N steps train only the indexer, against dense attention (O(T^2): short contexts).", rich_help_panel=_IDX)
+    ] = 0,
+    indexer_recall_every: Annotated[
+        int, typer.Option(help="Every N steps log how much dense attention the indexer's selection keeps (0: never).", rich_help_panel=_IDX)
+    ] = 0,
+    indexer_recall_queries: Annotated[int, typer.Option(help="Sampled queries per DSA layer for the recall.", rich_help_panel=_IDX)] = 256,
 ) -> None:
     """Fine-tune (or train from scratch) on a prepared genome at 512k-1M tokens per sequence.
 
-    Examples: genolong finetune --data data/hg38 --seq 512k --preset glm53-mini --steps 80 --out runs/a;
-    genolong finetune --data data/hg38 --seq 128k --model /path/to/glm5_next --out runs/b;
-    genolong finetune --resume runs/a
+    Examples:
+    genolong finetune --data data/hg38 --seq 512k --preset glm53-mini --out runs/a
+    genolong finetune --data data/hg38 --seq 128k --model /ckpt/glm5 --out runs/b
+    genolong finetune --resume runs/a [--steps 120]
+    genolong finetune ... --out runs/a --overwrite   (start runs/a again)
     """
     from genolong.train.launch import launch
-    from genolong.train.loop import load_run_options
     from genolong.train.options import MemoryOptions, TrainOptions
+    from genolong.train.resume_flags import resume_options
     from genolong.units import parse_length
 
+    # The spellings before 0.2, kept hidden: the same quantities under their new names.
+    for old, new in (("gpu_budget", "gpu_budget_gib"), ("host_budget", "host_budget_gib")):
+        if ctx.params.get(old) is not None:
+            typer.echo(f"genolong: --{old.replace('_', '-')} is deprecated; use --{new.replace('_', '-')}", err=True)
+    gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else gpu_budget
+    host_budget_gib = host_budget_gib if host_budget_gib is not None else host_budget
     if resume:
-        # The run's own options decide what is trained; only where and how it runs may change.
-        # stop_after always applies to this invocation (the saved one belonged to the last).
-        given = {k: v for k, v in {"device": device, "kernels": kernels, "ray_address": ray_address}.items() if v is not None}
-        options = load_run_options(resume, launcher=launcher, progress=progress, stop_after=stop_after, **given)
+        # By name: typer may vendor its own click, with its own ParameterSource enum.
+        given = {n for n in ctx.params if getattr(ctx.get_parameter_source(n), "name", "") in ("COMMANDLINE", "ENVIRONMENT")}
+        options = resume_options(resume, ctx.params, given)
     else:
         if data is None or out is None:
             raise GenolongError("finetune needs --data DIR and --out RUN_DIR (or --resume RUN_DIR to continue a run)")
@@ -100,8 +139,8 @@ def finetune(
             "offload_layers": offload_layers,
             "moe_chunk_tokens": parse_length(moe_chunk, "--moe-chunk"),
             "loss_chunk_tokens": parse_length(loss_chunk, "--loss-chunk") if loss_chunk else None,
-            "gpu_budget_gib": gpu_budget,
-            "host_budget_gib": host_budget,
+            "gpu_budget_gib": gpu_budget_gib,
+            "host_budget_gib": host_budget_gib,
         }
         if baseline:
             memory = MemoryOptions.baseline(**memory_fields)
@@ -139,15 +178,27 @@ def finetune(
             max_n_fraction=max_n_fraction,
             kernels=kernels,
             device=device,
+            dtype=dtype,
+            overwrite=overwrite,
             launcher=launcher,
             ray_address=ray_address,
             progress=progress,
+            compile=compile,
             memory=memory,
             balance_rate=balance_rate,
             aux_loss_coeff=aux_loss_coeff,
             repeat_weight=repeat_weight,
+            indexer_loss_coeff=indexer_loss_coeff,
+            indexer_warmup_steps=indexer_warmup_steps,
+            indexer_recall_every=indexer_recall_every,
+            indexer_recall_queries=indexer_recall_queries,
         )
-    records = launch(options)
+    try:
+        records = launch(options)
+    except KeyboardInterrupt as err:
+        # One line and the shell's code for Ctrl-C; the launcher says where the run stands.
+        typer.echo(f"genolong: interrupted; {str(err) or 'the run stopped'}", err=True)
+        raise typer.Exit(130) from None
     if records:
         last = records[-1]
         typer.echo(f"step {last['step']}/{options.steps}: loss {last['loss']:.4f}; run directory {options.out}")

@@ -9,15 +9,34 @@ such workers; the loop itself never creates a process group.
 A `GenolongError` raised in the worker (bad input, a run stopped for non-finite losses) comes
 back as a `GenolongError` with the same one-line message; anything else comes back with the
 worker's traceback.
+
+Lifetimes (genolong.train.lifeline): the local worker dies with this process however it dies,
+and this process reports the worker's death (exit code or signal, with the out-of-memory hint)
+and what to type next. Ctrl-C (or SIGTERM) here is forwarded to the worker once; the worker
+stops at a safe point (a checkpoint being written is finished first; a second Ctrl-C abandons
+it, and then this process kills the worker), and both exit with code 130 and one line.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import sys
+import threading
 import traceback
 
 from genolong.errors import GenolongError
+from genolong.train import lifeline
 from genolong.train.options import TrainOptions
+
+# After forwarding a stop request, how long to wait for the worker to finish a checkpoint it is
+# writing before killing it (a glm-5.3-flash-sized save takes minutes; Ctrl-C again kills now).
+STOP_GRACE_S = 600.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C / SIGTERM ended the run; the message says where it stopped and what to type next."""
 
 
 def launch(options: TrainOptions) -> list[dict]:
@@ -31,55 +50,114 @@ def launch(options: TrainOptions) -> list[dict]:
 
 
 def _run(options_dict: dict) -> tuple[str, object]:
-    """("ok", records) | ("error", one-line message) | ("crash", traceback): picklable whatever happens."""
+    """("ok", records) | ("error", one-line message) | ("crash", traceback) | ("interrupted", None):
+    picklable whatever happens."""
     from genolong.train.loop import train
 
     try:
         return "ok", train(TrainOptions.from_dict(options_dict))
     except GenolongError as err:
         return "error", str(err)
+    except KeyboardInterrupt:
+        return "interrupted", None
     except Exception:  # noqa: BLE001  (any failure must reach the parent, with its traceback)
         return "crash", traceback.format_exc()
 
 
-def _process_main(options_dict: dict, conn) -> None:
+def _process_main(options_dict: dict, conn, parent_pid: int) -> None:
+    lifeline.stop_on_sigterm()
+    lifeline.follow_parent(parent_pid)
+    result = _run(options_dict)
     try:
-        conn.send(_run(options_dict))
+        conn.send(result)
+    except (BrokenPipeError, EOFError, OSError):
+        pass  # the parent is gone; the lifeline already said so
     finally:
         conn.close()
+    if result[0] == "interrupted":
+        sys.exit(lifeline.EXIT_INTERRUPTED)
 
 
-def _unwrap(result: tuple[str, object], where: str) -> list[dict]:
+def _unwrap(result: tuple[str, object], where: str, run_dir: str | None = None) -> list[dict]:
     kind, payload = result
     if kind == "ok":
         return payload
     if kind == "error":
         raise GenolongError(payload)
+    if kind == "interrupted":
+        raise Interrupted(_next_step(run_dir))
     raise RuntimeError(f"the training worker ({where}) failed:\n{payload}")
+
+
+def _next_step(run_dir: str | None) -> str:
+    from genolong.train.checkpoint import recovery_hint
+
+    return recovery_hint(run_dir) if run_dir else "the run stopped"
+
+
+def _death(exitcode: int | None) -> str:
+    """How the worker ended, in words, with the likely cause of a SIGKILL."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        if -exitcode == signal.SIGKILL:
+            return (
+                f"was killed by {name} (the kernel's out-of-memory killer sends SIGKILL: check `dmesg | grep -i oom`; "
+                "`genolong plan` estimates the run's memory; lower --seq, or on a GPU keep --offload on)"
+            )
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
 
 
 def _launch_local(options: TrainOptions) -> list[dict]:
     # spawn, not fork: a forked child would inherit the parent's threads and any CUDA context.
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
-    worker = ctx.Process(target=_process_main, args=(options.to_dict(), sender), name="genolong-train")
-    worker.start()
-    sender.close()
+    worker = ctx.Process(target=_process_main, args=(options.to_dict(), sender, os.getpid()), name="genolong-train")
+    # A batch scheduler's SIGTERM to this process takes the Ctrl-C path below.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous_term = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main_thread else None
     try:
+        worker.start()
+        sender.close()
         try:
             result = receiver.recv()
         except EOFError:
             worker.join()
-            raise GenolongError(
-                f"the training worker exited with code {worker.exitcode} before reporting (killed for memory? "
-                "check `dmesg`, lower --seq or enable --offload); the last complete checkpoint can be resumed"
-            ) from None
+            raise GenolongError(f"the training worker {_death(worker.exitcode)} before reporting; {_next_step(options.out)}") from None
+        except KeyboardInterrupt:
+            _stop(worker)
+            raise Interrupted(_next_step(options.out)) from None
         worker.join()
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous_term)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    return _unwrap(result, "local process", options.out)
+
+
+def _terminate_as_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(worker) -> None:
+    """Forward one stop request; wait for a safe point; a second Ctrl-C (or the grace) kills the worker."""
+    if worker.is_alive():
+        os.kill(worker.pid, signal.SIGTERM)
+        print("genolong: stopping the training worker (Ctrl-C again to kill it now)", file=sys.stderr, flush=True)
+    try:
+        worker.join(STOP_GRACE_S)
     except KeyboardInterrupt:
-        worker.terminate()
+        pass
+    if worker.is_alive():
+        worker.kill()
         worker.join()
-        raise
-    return _unwrap(result, "local process")
 
 
 class _RayWorker:

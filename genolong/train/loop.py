@@ -11,6 +11,10 @@ One step (docs/training.md):
    expert load (genolong.train.balance);
 4. one record: loss, lr, grad norm, tokens/s, MFU/HFU, peak GPU memory, pinned host bytes;
    JSONL, TensorBoard, progress bar; a checkpoint every `save_every` steps and at the end.
+With `indexer_loss_coeff > 0` the DSA indexer trains too (genolong/train/indexer.py): its KL
+loss joins step 2 (or, during the indexer warm-up, replaces the LM backward: only the indexer
+updates in step 3), and the record carries its loss and, every `indexer_recall_every` steps, its
+recall.
 
 Everything a step depends on is either in the checkpoint (weights, optimizer, sampler position,
 RNG states, counters) or a pure function of the options (the schedule), so a resumed run
@@ -28,6 +32,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +45,16 @@ from genolong.model import ops
 from genolong.train import checkpoint as ckpt_io
 from genolong.train.balance import ExpertBalancer
 from genolong.train.flops import peak_flops, step_flops
+from genolong.train.indexer import IndexerTraining, trainable_parameters
 from genolong.train.loss import (
     auto_chunk_tokens,
     chunked_lm_loss,
     full_lm_loss,
     repeat_target_weight,
 )
-from genolong.train.metrics import JsonlLog, Progress, StepRecord, TensorBoardLog
+from genolong.train.metrics import JsonlLog, StepRecord, TensorBoardLog
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
+from genolong.train.progress_lines import progress_display
 from genolong.train.plan import moe_chunks_checkpointed
 from genolong.train.options import (
     TrainOptions,
@@ -84,8 +91,10 @@ def check_inputs(options: TrainOptions) -> None:
         raise GenolongError("--data is required: a directory written by `genolong prepare`")
     if options.resume:
         ckpt_io.check_run_dir(options.out)
-    elif (Path(options.out) / ckpt_io.OPTIONS_FILE).exists():
-        raise GenolongError(f"--out {options.out} already holds a run; continue it with --resume {options.out} or pick a new --out")
+    elif options.overwrite:
+        ckpt_io.check_replaceable(options.out)
+    else:
+        ckpt_io.refuse_occupied(options.out)
     _open_sampler(options)
     if options.model_path and not options.resume:
         from genolong.model.checkpoint import read_config
@@ -102,24 +111,49 @@ def check_inputs(options: TrainOptions) -> None:
 
 
 def train(options: TrainOptions) -> list[dict]:
-    """Run, or with `options.resume` continue, the run in `options.out`; return this invocation's records."""
+    """Run, or with `options.resume` continue, the run in `options.out`; return this invocation's records.
+
+    The run directory is locked for the whole call (genolong.train.checkpoint.locked)."""
     check_inputs(options)
+    with ckpt_io.locked(options.out):
+        return _train_locked(options)
+
+
+def _train_locked(options: TrainOptions) -> list[dict]:
     default_cuda_allocator()
     device = resolve_device(options)
     dtype = resolve_dtype(options, device)
     run_dir = Path(options.out)
     resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
+    # Before the run directory is touched: a run refused for memory leaves nothing to clean up.
+    _preflight(_model_config(options, resume_from), options, device)
     if resume_from is None:
+        if options.overwrite:
+            ckpt_io.clear_for_overwrite(run_dir)
+        else:
+            ckpt_io.refuse_occupied(run_dir)  # again, under the lock
         _start_run_dir(run_dir, options)
+    else:
+        ckpt_io.remove_stale_temporaries(run_dir)
+        _record_resume_changes(run_dir, options, resume_from)
 
     _seed_everything(options.seed)
     sampler = _open_sampler(options)
     model, dna_map = _build_model(options, device, dtype, resume_from)
     _set_kernel_policy(resolve_kernels(options, device))
+    # Before the memory options: an mHC forward they replace (the fp32-input ablation) stays eager.
+    compiled = _apply_compile(model, options)
     handle = _apply_memory(model, options)
     balancer = ExpertBalancer(model, rate=options.balance_rate, aux_loss_coeff=options.aux_loss_coeff)
+    indexer = IndexerTraining(
+        model,
+        coeff=options.indexer_loss_coeff,
+        warmup_steps=options.indexer_warmup_steps,
+        recall_every=options.indexer_recall_every,
+        recall_queries=options.indexer_recall_queries,
+    )
     optimizer = MasterAdamW(
-        list(model.named_parameters()),
+        trainable_parameters(model, train_indexer=indexer.trains),
         lr=options.lr,
         betas=(options.beta1, options.beta2),
         eps=options.eps,
@@ -138,6 +172,8 @@ def train(options: TrainOptions) -> list[dict]:
         start = int(state["step"])
         nonfinite_total, nonfinite_run = int(state["nonfinite_total"]), int(state["nonfinite_run"])
         log.info("resumed %s at step %d", run_dir, start)
+        if start >= options.steps:
+            _notice(f"{run_dir} has finished all {options.steps} steps; nothing to do (give --steps N to train further)")
 
     batches = _batches(options, sampler, dna_map, device, start)
     chunk = options.memory.loss_chunk_tokens or auto_chunk_tokens(model.config.vocab_size)
@@ -153,14 +189,14 @@ def train(options: TrainOptions) -> list[dict]:
 
     jsonl = JsonlLog(run_dir / ckpt_io.METRICS_FILE, truncate_after_step=start if resume_from is not None else None)
     tensorboard = TensorBoardLog(run_dir, options.tensorboard)
-    progress = Progress(options.steps, start, options.progress)
+    progress = progress_display(options.steps, start, options.progress)
     records: list[dict] = []
     ops.reset_audit()
     model.train()
     try:
         for step in range(start, end):
             batch = next(batches)
-            record = _train_step(model, optimizer, batch, options, step, chunk, device, handle, flops, peak, balancer=balancer)
+            record = _train_step(model, optimizer, batch, options, step, chunk, device, handle, flops, peak, indexer, balancer=balancer)
             nonfinite_run = nonfinite_run + 1 if record.skipped else 0
             nonfinite_total += int(record.skipped)
             record.nonfinite_total = nonfinite_total
@@ -171,6 +207,7 @@ def train(options: TrainOptions) -> list[dict]:
             if step == start:
                 _write_kernel_audit(run_dir)
                 _write_memory_setup(run_dir, handle)
+                _write_compile_setup(run_dir, compiled)
             if nonfinite_run >= options.max_nonfinite:
                 raise TrainingStopped(
                     f"stopped at step {step + 1}: {nonfinite_run} consecutive steps had a non-finite loss or gradient "
@@ -181,6 +218,7 @@ def train(options: TrainOptions) -> list[dict]:
             if done == end or (options.save_every and done % options.save_every == 0):
                 _save(run_dir, done, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run)
     finally:
+        indexer.clear()
         progress.close()
         jsonl.close()
         tensorboard.close()
@@ -192,7 +230,7 @@ def train(options: TrainOptions) -> list[dict]:
     return records
 
 
-def _train_step(model, optimizer, batch_list, options, step, chunk, device, handle, flops, peak, balancer=None) -> StepRecord:
+def _train_step(model, optimizer, batch_list, options, step, chunk, device, handle, flops, peak, indexer, balancer=None) -> StepRecord:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize(device)
@@ -205,16 +243,20 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
     if balancer is not None:
         balancer.begin_step(options.batch * options.seq_len, options.seq_len)
     total = torch.zeros((), dtype=torch.float32, device=device)
+    indexer.begin_step(step)
     for micro in batch_list:
-        hidden = model.hidden_states(micro.inputs)
-        weight = model.lm_head.weight
-        if options.memory.chunked_loss:
-            loss = chunked_lm_loss(
-                hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=normaliser, target_weight=micro.weight
-            )
-        else:
-            loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=normaliser, target_weight=micro.weight)
-        loss.backward()
+        indexer.micro_batch(1 / len(batch_list))
+        with indexer.forward_context():
+            hidden = model.hidden_states(micro.inputs)
+            weight = model.lm_head.weight
+            if options.memory.chunked_loss:
+                loss = chunked_lm_loss(
+                    hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=normaliser, target_weight=micro.weight
+                )
+            else:
+                loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=normaliser, target_weight=micro.weight)
+        if indexer.backward_lm_loss():
+            loss.backward()
         total += loss.detach()
         del hidden, loss
     loss_value = float(total)
@@ -222,10 +264,13 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
     lr = lr_at(step, options.lr, options.warmup, options.steps, options.min_lr_ratio)
     skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
     if not skipped:
-        optimizer.step(lr, clip_scale(grad_norm, options.grad_clip))
+        optimizer.step(lr, clip_scale(grad_norm, options.grad_clip), only=indexer.update_only())
     optimizer.zero_grad()
-    # The bias moves only with an update: a skipped step changes nothing in the model.
-    balance = balancer.finish_step(update_bias=not skipped) if balancer is not None else None
+    # The bias moves only with an update of the whole model: a skipped step changes nothing, and
+    # during the indexer warm-up the rest of the model (routers included) stays frozen.
+    update_bias = not skipped and indexer.update_only() is None
+    balance = balancer.finish_step(update_bias=update_bias) if balancer is not None else None
+    indexer_metrics = indexer.end_step()
     if cuda:
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
@@ -251,6 +296,7 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, hand
         aux_loss=balance.aux_loss if balance is not None else None,
         expert_load_max=_by_layer(balance.load_max) if balance is not None else None,
         expert_load_min=_by_layer(balance.load_min) if balance is not None else None,
+        **indexer_metrics,
     )
 
 
@@ -279,7 +325,44 @@ def _start_run_dir(run_dir: Path, options: TrainOptions) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     saved = options.to_dict()
     saved["resume"] = False
-    (run_dir / ckpt_io.OPTIONS_FILE).write_text(json.dumps(saved, indent=1) + "\n", encoding="utf-8")
+    saved["overwrite"] = False
+    _write_options(run_dir, saved)
+
+
+def _write_options(run_dir: Path, saved: dict) -> None:
+    tmp = run_dir / f".{ckpt_io.OPTIONS_FILE}.tmp"
+    tmp.write_text(json.dumps(saved, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, run_dir / ckpt_io.OPTIONS_FILE)
+
+
+# Options a resumed run may change that belong to the run, not to one invocation: written back
+# to options.json so that the next --resume keeps them (docs/training.md, "Resume").
+RESUME_PERSISTED = ("steps", "save_every", "keep_last")
+
+
+def _record_resume_changes(run_dir: Path, options: TrainOptions, resume_from: Path) -> None:
+    saved = json.loads((run_dir / ckpt_io.OPTIONS_FILE).read_text(encoding="utf-8"))
+    at = int(ckpt_io.load_trainer_state(resume_from)["step"])
+    if options.steps < at:
+        raise GenolongError(f"--steps {options.steps} is below the step the run has reached ({at}); give --steps {at} or more")
+    changed = {k: getattr(options, k) for k in RESUME_PERSISTED if saved.get(k) != getattr(options, k)}
+    if not changed:
+        return
+    for key, value in changed.items():
+        flag = "--" + key.replace("_", "-")
+        _notice(f"{flag} {value} (the run had {saved.get(key)}), from step {at} on")
+    if "steps" in changed and at < options.steps:
+        was = lr_at(at, options.lr, options.warmup, saved["steps"], options.min_lr_ratio)
+        now = lr_at(at, options.lr, options.warmup, options.steps, options.min_lr_ratio)
+        _notice(
+            f"the learning-rate schedule is re-derived for {options.steps} steps (same warmup, cosine to the new last "
+            f"step): the rate at step {at + 1} is {now:.3g} instead of {was:.3g}"
+        )
+    _write_options(run_dir, {**saved, **changed})
+
+
+def _notice(message: str) -> None:
+    print(f"genolong: {message}", file=sys.stderr, flush=True)
 
 
 def load_run_options(run_dir: str | Path, **overrides) -> TrainOptions:
@@ -327,19 +410,13 @@ def _open_sampler(options: TrainOptions):
 
 
 def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None):
-    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
-
-    The pre-flight memory check runs on the config, before any weight is allocated.
-    """
+    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset."""
     from genolong.model import GenoLongForCausalLM, from_pretrained, get_preset
-    from genolong.model.checkpoint import read_config
-    from genolong.model.hf_config import from_hf
     from genolong.model.vocab import dna_to_checkpoint_ids
 
     dna_map = None
     if resume_from is not None or options.model_path:
         source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
-        _preflight(from_hf(read_config(source)), options, device)
         model = from_pretrained(source, dtype=dtype, device=device)
         if resume_from is not None:
             ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
@@ -348,7 +425,6 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
             dna_map = dna_to_checkpoint_ids(source, vocab_size=model.config.vocab_size)
     else:
         config = get_preset(options.preset)
-        _preflight(config, options, device)
         with torch.device(device):
             model = GenoLongForCausalLM(config, dtype=dtype)
     if dna_map is not None:
@@ -356,13 +432,28 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
     return model, dna_map
 
 
-def _preflight(config, options: TrainOptions, device: str) -> None:
-    """Refuse a run that cannot fit before the model and its activations are allocated (GPU only)."""
-    if not device.startswith("cuda"):
-        return
-    from genolong.train.plan import preflight
+def _model_config(options: TrainOptions, resume_from: Path | None):
+    """The config of the model the run will build (same order as _build_model), read without weights."""
+    from genolong.model import get_preset
+    from genolong.model.checkpoint import read_config
+    from genolong.model.hf_config import from_hf
 
-    preflight(config, options.seq_len, options.memory, n_gpus=1, batch=options.micro_batch)
+    if resume_from is not None or options.model_path:
+        source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
+        return from_hf(read_config(source))
+    return get_preset(options.preset)
+
+
+def _preflight(config, options: TrainOptions, device: str) -> None:
+    """Refuse a run that cannot fit before the model and its activations are allocated: GPU memory
+    and pinned host memory on CUDA, RAM on the CPU."""
+    from genolong.train.plan import preflight, preflight_cpu
+
+    dtype_bytes = resolve_dtype(options, device).itemsize
+    if not device.startswith("cuda"):
+        preflight_cpu(config, options.seq_len, options.memory, batch=options.micro_batch, dtype_bytes=dtype_bytes)
+        return
+    preflight(config, options.seq_len, options.memory, n_gpus=1, batch=options.micro_batch, dtype_bytes=dtype_bytes)
 
 
 def _set_kernel_policy(policy: str) -> None:
@@ -371,6 +462,20 @@ def _set_kernel_policy(policy: str) -> None:
 
         genolong.kernels.load()
     ops.use(policy)
+
+
+def _apply_compile(model, options: TrainOptions):
+    if not options.compile:
+        return None
+    from genolong.train.compile import apply_compile
+
+    return apply_compile(model)
+
+
+def _write_compile_setup(run_dir: Path, compiled) -> None:
+    """What the compile pass replaced and what dynamo did during the first step (graphs, breaks)."""
+    if compiled is not None:
+        (run_dir / "compile.json").write_text(json.dumps(compiled.describe(), indent=1) + "\n", encoding="utf-8")
 
 
 def _apply_memory(model, options: TrainOptions):

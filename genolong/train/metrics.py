@@ -38,6 +38,12 @@ class StepRecord:
     # expert in this step. No capacity limit exists, so no token is dropped. None without MoE.
     expert_load_max: dict[str, float] | None = None
     expert_load_min: dict[str, float] | None = None
+    # The DSA indexer (docs/training.md "The indexer"); None while it is frozen / not measured.
+    indexer_phase: str | None = None  # "warmup" (only the indexer trains, dense targets) or "sparse"
+    indexer_loss: float | None = None  # KL per query, the step's mean, averaged over the DSA layers
+    indexer_loss_layers: dict[str, float] | None = None  # the same per DSA layer index
+    indexer_recall: float | None = None  # dense attention mass inside the selection, sampled queries
+    indexer_recall_layers: dict[str, float] | None = None
 
     def to_json(self) -> str:
         return json.dumps({k: _clean(v) for k, v in asdict(self).items()})
@@ -94,6 +100,12 @@ class TensorBoardLog:
         for key, name in (("expert_load_max", "load_max"), ("expert_load_min", "load_min")):
             for layer, value in (getattr(record, key) or {}).items():
                 self.writer.add_scalar(f"experts/{name}/layer_{int(layer):02d}", value, record.step)
+        for key in ("indexer_loss", "indexer_recall"):
+            value = getattr(record, key)
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(f"indexer/{key[8:]}", value, record.step)
+            for layer, v in (getattr(record, f"{key}_layers") or {}).items():
+                self.writer.add_scalar(f"indexer/{key[8:]}_layer{layer}", v, record.step)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -137,6 +149,10 @@ class Progress:
             parts.append(f"pinned {record.pinned_host_gib:.1f} GiB")
         if record.expert_load_max:
             parts.append(f"busiest expert {max(record.expert_load_max.values()):.1f}x mean")
+        if record.indexer_loss is not None:
+            parts.append(f"indexer KL {record.indexer_loss:.4f}" + (" (warm-up)" if record.indexer_phase == "warmup" else ""))
+        if record.indexer_recall is not None:
+            parts.append(f"recall {record.indexer_recall:.3f}")
         if record.skipped:
             parts.append("[red]skipped (non-finite)")
         self._bar.update(self._task, completed=record.step, info="  ".join(parts))

@@ -12,6 +12,7 @@ ablation table can remove one at a time, and `MemoryOptions.baseline()` removes 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,14 +118,23 @@ class TrainOptions:
     max_nonfinite: int = 5  # stop after this many consecutive non-finite steps
     stop_after: int | None = None  # end this invocation after N steps (checkpointed; resume later)
     resume: bool = False  # continue the run in `out` from its latest complete checkpoint
+    overwrite: bool = False  # replace an earlier run in `out` (a genolong run or an empty directory)
     launcher: str = "local"
     ray_address: str | None = None
     progress: bool = True
     tensorboard: bool = True
+    compile: bool = False  # torch.compile the small ops (mHC, norms, router, SwiGLU; genolong.train.compile)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     balance_rate: float = 1e-3  # expert-bias step per optimizer step (DeepSeek-V3's gamma); 0 = off
     aux_loss_coeff: float = 0.0  # sequence-wise expert balance loss (DeepSeek-V3 eq. 17-20); 0 = off
     repeat_weight: float = 1.0  # loss weight of soft-masked (repeat) target bases; Evo 2 uses 0.1
+    # The DSA indexer (genolong/train/indexer.py): 0 keeps it frozen, > 0 trains it with its KL loss
+    # at this weight; the first `indexer_warmup_steps` steps train only the indexer, against dense
+    # attention; every `indexer_recall_every` steps (0: never) log its recall on sampled queries.
+    indexer_loss_coeff: float = 0.0
+    indexer_warmup_steps: int = 0
+    indexer_recall_every: int = 0
+    indexer_recall_queries: int = 256
 
     @property
     def micro_batch(self) -> int:
@@ -171,10 +181,27 @@ class TrainOptions:
             raise GenolongError(f"--balance-rate and --aux-loss-coeff must be >= 0 (0 = off), got {self.balance_rate} and {self.aux_loss_coeff}")
         if not 0 <= self.repeat_weight <= 1:
             raise GenolongError(f"--repeat-weight must be in [0, 1] (1 = repeats count fully, 0.1 = Evo 2), got {self.repeat_weight}")
+        if self.resume and self.overwrite:
+            raise GenolongError("--resume and --overwrite exclude each other: --resume continues the run, --overwrite replaces it")
         if self.preset is None and self.model_path is None:
             raise GenolongError("give --preset NAME (train from scratch) or --model CKPT (fine-tune a checkpoint)")
+        self._validate_indexer()
         self.memory.validate()
         return self
+
+    def _validate_indexer(self) -> None:
+        coeff = self.indexer_loss_coeff
+        if not (math.isfinite(coeff) and coeff >= 0):
+            raise GenolongError(f"--indexer-loss-coeff must be a finite number >= 0 (0 keeps the indexer frozen), got {coeff}")
+        if self.indexer_warmup_steps < 0 or self.indexer_recall_every < 0:
+            raise GenolongError("--indexer-warmup-steps and --indexer-recall-every must be >= 0")
+        if self.indexer_warmup_steps and coeff == 0:
+            raise GenolongError(
+                f"--indexer-warmup-steps {self.indexer_warmup_steps} trains the indexer, but --indexer-loss-coeff is 0 "
+                "(frozen indexer); give --indexer-loss-coeff > 0 (e.g. 1.0)"
+            )
+        if self.indexer_recall_queries < 1:
+            raise GenolongError(f"--indexer-recall-queries must be >= 1, got {self.indexer_recall_queries}")
 
 
 def resolve_device(options: TrainOptions) -> str:

@@ -18,9 +18,18 @@ Per-token activation bytes are counted from the model code, tensor by tensor (mo
 autograd actually saves on CPU. The estimate is of `torch.cuda.max_memory_allocated`: the CUDA
 context and allocator fragmentation are covered by `preflight`'s margin, not by the items.
 
-`n_gpus > 1` is planned as context parallelism (each GPU holds seq_len / n_gpus tokens of
-activations and offloads) with weights, gradients and optimizer state sharded n_gpus ways
-(FSDP-style); the parallel issue will implement exactly that.
+Under a parallel layout (`setup`, genolong.train.plan_parallel) the same items are paid on the
+tokens one GPU holds (cp shards the sequence, tp keeps a sequence-parallel part of the shard),
+the weights, gradients and optimizer state are split by tp / ep and, with FSDP, by their
+replicas, and the layout's own tensors are added (what every tp rank holds for the whole shard,
+the gathered latent under cp, the busiest ep rank's MoE rows, FSDP's gathered layer). With one
+process those terms are zero: the single-GPU plan. `n_gpus > 1` without a setup keeps its old
+meaning, cp=n_gpus with FSDP. docs/parallel.md, "The plan", writes every term down.
+
+A CPU run (`estimate_cpu_memory`) keeps all of it in host RAM, in the run's dtype (fp32 by
+default: the parameters are their own master copy); offload would copy layer inputs into the
+same RAM, so the CPU plan counts them as kept. `shortfall` names the resource that is short
+(GPU memory, pinned host memory or CPU RAM) and the changes that would make the run fit.
 """
 
 from __future__ import annotations
@@ -30,10 +39,20 @@ import os
 from dataclasses import dataclass, field
 
 from genolong.errors import GenolongError
-from genolong.model.config import LAYER_DSA, LAYER_KDA, MLP_DENSE, MLP_MOE, ModelConfig
+from genolong.model.config import LAYER_KDA, MLP_DENSE, MLP_MOE, ModelConfig
 from genolong.model.param_count import param_count
 from genolong.train.loss import auto_chunk_tokens
 from genolong.train.options import MemoryOptions
+from genolong.train.plan_parallel import (
+    ParallelSetup,
+    Tokens,
+    dispatch_bytes,
+    fsdp_gathered_bytes,
+    layer_parallel_items,
+    single_gpu_setup,
+    static_per_gpu,
+    tokens_per_gpu,
+)
 from genolong.units import format_length
 
 GIB = 1024**3
@@ -50,7 +69,12 @@ KDA_CHUNK = 64
 # and of host RAM (the process itself, the page cache of the data, the OS).
 GPU_USABLE = 0.92
 HOST_USABLE = 0.80
-GPUS_PER_HOST = 8
+# A CPU run uses the PyTorch reference ops, which keep and allocate more than the fused kernels
+# the per-item counts describe: peak RSS growth of a tiny-preset training step on the CPU was
+# 1.8-3.7x the activation items (4k and 8k tokens, with and without recompute, after the fast
+# CPU reference ops; 2026-12-01, benchmarks/cpu_memory_plan.py). The CPU plan adds the difference
+# as its own item, with a little room.
+CPU_REFERENCE_FACTOR = 4.0
 
 
 @dataclass
@@ -65,6 +89,13 @@ class MemoryEstimate:
     gpu_bytes: int  # the GPU's usable budget
     host_bytes: int  # the host's usable budget per GPU
     opts: MemoryOptions = field(repr=False, default_factory=MemoryOptions)
+    device: str = "cuda"  # "cpu": `gpu` holds the CPU run's RAM items and `gpu_bytes` the RAM budget
+    setup: ParallelSetup = field(default_factory=ParallelSetup)
+
+    @property
+    def node_host(self) -> dict[str, int]:
+        """Host memory of one node: each item times the GPUs on it (--gpus-per-node)."""
+        return {k: v * self.setup.gpus_on_node for k, v in self.host.items()}
 
     @property
     def gpu_total(self) -> int:
@@ -86,6 +117,16 @@ class MemoryEstimate:
     def fits(self) -> bool:
         return self.fits_gpu and self.fits_host
 
+    @property
+    def short(self) -> list[str]:
+        """The resources that are short, in words: GPU memory, pinned host memory, CPU RAM."""
+        if self.device == "cpu":
+            return [] if self.fits_gpu else ["CPU RAM"]
+        out = [] if self.fits_gpu else ["GPU memory"]
+        if not self.fits_host:
+            out.append("pinned host memory" if self.opts.offload_pinned else "host memory")
+        return out
+
     def as_dict(self) -> dict:
         return {
             "seq_len": self.seq_len,
@@ -98,6 +139,7 @@ class MemoryEstimate:
             "host_total": self.host_total,
             "gpu_bytes": self.gpu_bytes,
             "host_bytes": self.host_bytes,
+            "device": self.device,
         }
 
 
@@ -282,12 +324,12 @@ def layer_saved_bytes(
 # ------------------------------------------------------------------------------------ estimate
 
 
-def _host_budget_bytes(opts: MemoryOptions, n_gpus: int, host_bytes: int | None) -> int:
+def _host_budget_bytes(opts: MemoryOptions, gpus_on_node: int, host_bytes: int | None) -> int:
+    """Host RAM one GPU may fill: --host-budget-gib, else HOST_USABLE of its node's RAM shared by the node's GPUs."""
     if opts.host_budget_gib is not None:
         return int(opts.host_budget_gib * GIB)
     total = host_bytes if host_bytes is not None else _physical_ram()
-    # GPUs share their host's RAM: up to GPUS_PER_HOST of them (an 8-GPU node) on one host.
-    return int(total * HOST_USABLE / min(n_gpus, GPUS_PER_HOST))
+    return int(total * HOST_USABLE / gpus_on_node)
 
 
 def _physical_ram() -> int:
@@ -308,38 +350,56 @@ def estimate_memory(
     dtype_bytes: int = 2,
     host_bytes: int | None = None,
     offload_layers: int | None = None,
+    setup: ParallelSetup | None = None,
 ) -> MemoryEstimate:
     """The itemised per-GPU estimate of one training step (module docstring).
 
+    batch: sequences in one micro-batch of one data-parallel rank. host_bytes: one node's RAM.
+    setup: the parallel layout and its choices (genolong.train.plan_parallel); None plans `n_gpus`
+    as it always has (cp=n_gpus, FSDP-style sharding). With a setup, n_gpus must be 1 or its world size.
     offload_layers: override opts.offload_layers; with both None and offload on, the smallest
     number of offloaded layers that fits `gpu_bytes * GPU_USABLE` (or opts.gpu_budget_gib).
     """
     config = model_config
     opts = opts or MemoryOptions()
     opts.validate()
-    if n_gpus < 1:
-        raise GenolongError(f"--gpus must be >= 1, got {n_gpus}")
+    if setup is None:
+        setup = single_gpu_setup(n_gpus)
+    elif n_gpus not in (1, setup.world):
+        raise GenolongError(f"--gpus {n_gpus} does not match --parallel {setup.layout} ({setup.world} GPUs); drop --gpus or make them agree")
     a = dtype_bytes
-    tokens = batch * math.ceil(seq_len / n_gpus)
+    t = tokens_per_gpu(seq_len, batch, setup.layout)
+    tokens = t.seq  # what the per-token items are paid on (module genolong.train.plan_parallel)
     layers = config.num_layers
     gpu_budget = int(opts.gpu_budget_gib * GIB) if opts.gpu_budget_gib is not None else int(gpu_bytes * GPU_USABLE)
 
-    gpu = {k: math.ceil(v / n_gpus) for k, v in static_bytes(config, a).items()}
+    gpu = static_per_gpu(config, setup, a)
+    host: dict[str, int] = {}
+    if setup.optimizer_on_host:
+        host["optimizer state (fp32 masters + AdamW moments)"] = gpu.pop("optimizer state")
+    if setup.sharded:
+        gpu["fsdp gathered layer (weights + gradient)"] = fsdp_gathered_bytes(config, setup, a)
     stream_bytes = stored_input_bytes_per_token(config, a) * tokens
     fp32_hc = not opts.mhc_low_precision
     moe_chunked = moe_chunks_checkpointed(tokens, opts)
-    items = [layer_saved_items(config, i, a, moe_chunked, mhc_fp32_input=fp32_hc) for i in range(layers)]
-    per_layer = [sum(it.values()) * tokens for it in items]
+    moe_routed = _moe(config, a)["moe routed"] if config.moe_layers else 0
+    items = []
+    for i in range(layers):
+        per_token = layer_saved_items(config, i, a, moe_chunked, mhc_fp32_input=fp32_hc)
+        layer = {k: v * tokens for k, v in per_token.items()}
+        layer.update(layer_parallel_items(config, i, setup, t, a, moe_chunked, moe_routed))
+        items.append(layer)
+    per_layer = [sum(it.values()) for it in items]
     # Backward of a layer: its saved activations, the streams' gradient coming in and going out,
     # and the largest single gradient the layer creates (its biggest saved activation's size).
-    biggest = [max(it.values()) * tokens for it in items]
+    biggest = [max(it.values()) for it in items]
 
-    transients = _transients(config, tokens, opts, a)
+    transients = _transients(config, t, opts, a, setup)
     # The MoE chunk's activations exist only while its chunk is recomputed; the rest are
     # kernel workspaces that come and go inside one op.
     transient_name = max(transients, key=transients.get)
 
-    loss_items = _loss_head(config, tokens, opts, a)
+    loss_items = _loss_head(config, t, opts, a)
 
     if opts.recompute:
         if offload_layers is None:
@@ -362,19 +422,48 @@ def estimate_memory(
     gpu.update(loss_items)
     gpu[f"largest transient ({transient_name})"] = transients[transient_name]
 
-    host = {"offloaded layer inputs (pinned)" if opts.offload_pinned else "offloaded layer inputs (pageable)": offload_layers * stream_bytes}
+    offloaded = {"offloaded layer inputs (pinned)" if opts.offload_pinned else "offloaded layer inputs (pageable)": offload_layers * stream_bytes}
     return MemoryEstimate(
         seq_len=seq_len,
-        n_gpus=n_gpus,
+        n_gpus=setup.world,
         tokens_per_gpu=tokens,
         gpu=gpu,
-        host=host,
+        host={**offloaded, **host},
         transients=transients,
         offload_layers=offload_layers,
         gpu_bytes=gpu_budget,
-        host_bytes=_host_budget_bytes(opts, n_gpus, host_bytes),
+        host_bytes=_host_budget_bytes(opts, setup.gpus_on_node, host_bytes),
         opts=opts,
+        setup=setup,
     )
+
+
+def estimate_cpu_memory(
+    model_config: ModelConfig,
+    seq_len: int,
+    opts: MemoryOptions | None = None,
+    *,
+    batch: int = 1,
+    dtype_bytes: int = FP32,
+    ram_bytes: int | None = None,
+) -> MemoryEstimate:
+    """A CPU run's RAM, itemised like a GPU's (in `gpu`), against `opts.host_budget_gib` or
+    HOST_USABLE of the machine's RAM (`ram_bytes`, default this machine's)."""
+    opts = opts or MemoryOptions()
+    opts.validate()
+    if opts.host_budget_gib is not None:
+        budget = int(opts.host_budget_gib * GIB)
+    else:
+        budget = int((ram_bytes if ram_bytes is not None else _physical_ram()) * HOST_USABLE)
+    # Offload copies into the same RAM: plan the inputs as kept, against the RAM budget.
+    kept = MemoryOptions.from_dict({**opts.to_dict(), "offload": False, "offload_layers": None, "gpu_budget_gib": budget / GIB})
+    est = estimate_memory(model_config, seq_len, kept, 1, budget, batch=batch, dtype_bytes=dtype_bytes, host_bytes=budget)
+    static = sum(static_bytes(model_config, dtype_bytes).values())
+    est.gpu["reference ops (CPU)"] = int((CPU_REFERENCE_FACTOR - 1) * (est.gpu_total - static))
+    est.device = "cpu"
+    est.host = {}
+    est.opts = opts
+    return est
 
 
 def recompute_peak(stream_bytes: int, working: list[int], offloaded: int, overlap: bool = True) -> tuple[int, int, int]:
@@ -416,39 +505,63 @@ def moe_chunks_checkpointed(tokens: int, opts: MemoryOptions) -> bool:
     return opts.moe_chunking and tokens > opts.moe_chunk_tokens
 
 
-def _transients(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int) -> dict[str, int]:
+def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, setup: ParallelSetup) -> dict[str, int]:
+    """Workspaces that live inside one op (the largest is counted). `t`: tokens per GPU (the
+    whole sequences, the cp shard, the sequence-parallel part; all equal on one GPU)."""
     out: dict[str, int] = {}
-    h = config.hidden
+    h, lay = config.hidden, setup.layout
     if config.dsa_layers:
         ix = config.dsa.indexer
-        pools = tokens // ix.kpool
+        pools = t.whole // ix.kpool
         # The fused two-pass path's per-query bytes (genolong.kernels.indexer_topk.indexer_two_pass:
         # group maxima and their top-k copy, candidate scores, top-k values/indices, outputs).
+        # Each rank scores only its own queries (Ts), against the pools of the whole sequence,
+        # whose keys it gathers from the other ranks.
         groups = -(-pools // INDEXER_GROUP)
         per_query = groups * 8 + ix.topk_pools * (INDEXER_GROUP * 4 + 24) + ix.width * 8
-        out["indexer query chunk"] = min(tokens * per_query, INDEXER_BUDGET)
-        # The padded 576-wide q / out / dq copies of one query chunk, plus the fp32 dkv accumulator.
-        out["dsa attention workspace"] = min(tokens * config.dsa.num_heads * 576 * 2 * 5, DSA_ATTENTION_BUDGET) + FP32 * config.dsa.kv_lora_rank * tokens
+        gathered_keys = (t.whole - t.seq) // ix.kpool * ix.head_dim * a
+        out["indexer query chunk"] = min(t.seq * per_query, INDEXER_BUDGET) + gathered_keys
+        # The padded 576-wide q / out / dq copies of one query chunk (this rank's heads), plus the
+        # fp32 dkv accumulator over every kv row it reads (the gathered latent under cp).
+        heads = config.dsa.num_heads // lay.tp
+        out["dsa attention workspace"] = min(t.shard * heads * 576 * 2 * 5, DSA_ATTENTION_BUDGET) + FP32 * config.dsa.kv_lora_rank * t.whole
     if LAYER_KDA in config.layer_types:
         k = config.kda
-        # fla's per-chunk states h [T/64, H, Dk, Dv] fp32, and their gradient in backward.
-        out["kda chunk states"] = 2 * FP32 * math.ceil(tokens / KDA_CHUNK) * k.num_heads * k.head_dim * k.head_dim
-    if config.moe_layers:
-        moe_per_token = sum(_moe(config, a).values())
-        if moe_chunks_checkpointed(tokens, opts):
-            chunk = opts.moe_chunk_tokens
-            out["moe chunk"] = chunk * moe_per_token + chunk * config.moe.top_k * FP32 * h
+        # fla's per-chunk states h [T/64, H, Dk, Dv] fp32, and their gradient in backward: the cp
+        # shard with this tp rank's heads; Ulysses: the whole sequence with H / (tp cp) heads;
+        # state passing computes Dv + Dk columns (the shard's transition beside its states).
+        if lay.cp > 1 and setup.kda_mode == "ulysses":
+            chunks, heads, width = math.ceil(t.whole / KDA_CHUNK), k.num_heads // (lay.tp * lay.cp), k.head_dim
         else:
+            chunks, heads, width = math.ceil(t.shard / KDA_CHUNK), k.num_heads // lay.tp, k.head_dim * (2 if lay.cp > 1 else 1)
+        out["kda chunk states"] = 2 * FP32 * chunks * heads * k.head_dim * width
+    if config.moe_layers:
+        m = config.moe
+        moe = _moe(config, a)
+        # The busiest ep rank receives moe_skew x the mean rows (real routing is uneven).
+        skew = setup.moe_skew if lay.ep > 1 else 1.0
+        if moe_chunks_checkpointed(t.seq, opts):
+            chunk = opts.moe_chunk_tokens
+            rows = int(chunk * (moe["moe router"] + moe["moe shared"] + skew * moe["moe routed"]))
+            # One process: an fp32 combine buffer; under ep the rows' copies at home (no fp32 combine).
+            combine = chunk * m.top_k * FP32 * h if lay.ep == 1 else dispatch_bytes(config, setup, chunk, a)
+            out["moe chunk"] = rows + combine
+        elif lay.ep == 1:
             # The op's own chunk: the fp32 weighted copy of its outputs before the combine.
-            m = config.moe
-            out["moe op chunk"] = min(tokens * m.top_k * FP32 * h, MOE_OP_BUDGET)
+            out["moe op chunk"] = min(t.seq * m.top_k * FP32 * h, MOE_OP_BUDGET)
+    if lay.cp > 1 and setup.kda_mode == "ulysses" and LAYER_KDA in config.layer_types:
+        out["kda partial output (cp, ulysses)"] = t.whole * h * a  # [T, hidden] before its reduce-scatter
     return out
 
 
-def _loss_head(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int) -> dict[str, int]:
+def _loss_head(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int) -> dict[str, int]:
+    """Each rank computes the loss of its cp shard (Tc; under tp every rank repeats it on the
+    gathered shard, genolong.parallel.tensor)."""
     h, v = config.hidden, config.vocab_size
-    # final mHC mean, final RMSNorm (fp32 copies), the normed hidden saved by the loss.
-    common = tokens * (a * h + _rmsnorm(h, a) + FP32 * 2)
+    # final mHC mean and final RMSNorm (fp32 copies) on the rank's tokens; the normed hidden
+    # (gathered over tp) saved by the loss, and its per-token fp32 statistics.
+    common = t.seq * (a * h + _rmsnorm(h, a)) + (t.shard - t.seq) * a * h + t.shard * FP32 * 2
+    tokens = t.shard
     if opts.chunked_loss:
         chunk = min(tokens, opts.loss_chunk_tokens or auto_chunk_tokens(v))
         # One chunk's fp32 logits and their gradient, plus the fp32 weight-gradient accumulator.
@@ -460,28 +573,6 @@ def _loss_head(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int) ->
 # ----------------------------------------------------------------------------------- preflight
 
 
-def fixes_for(config: ModelConfig, seq_len: int, opts: MemoryOptions, n_gpus: int, gpu_bytes: int, **kw) -> list[str]:
-    """The flag changes (one at a time, then together) under which this run would fit."""
-    candidates = [
-        ("--recompute", dict(recompute=True)),
-        ("--recompute --offload", dict(recompute=True, offload=True, offload_layers=None)),
-        ("--moe-chunking", dict(moe_chunking=True)),
-        ("--chunked-loss", dict(chunked_loss=True)),
-    ]
-    found = []
-    for flag, change in candidates:
-        if all(getattr(opts, k) == val for k, val in change.items() if k != "offload_layers"):
-            continue
-        trial = MemoryOptions.from_dict({**opts.to_dict(), **change})
-        if estimate_memory(config, seq_len, trial, n_gpus, gpu_bytes, **kw).fits:
-            found.append(flag)
-    if not found:
-        full = MemoryOptions.from_dict({**opts.to_dict(), "recompute": True, "offload": True, "offload_layers": None, "moe_chunking": True, "chunked_loss": True})
-        if estimate_memory(config, seq_len, full, n_gpus, gpu_bytes, **kw).fits:
-            found.append("the full memory stack (drop --baseline / every --no-* flag)")
-    return found
-
-
 def preflight(
     model_config: ModelConfig,
     seq_len: int,
@@ -490,28 +581,162 @@ def preflight(
     gpu_bytes: int | None = None,
     **kw,
 ) -> MemoryEstimate:
-    """Raise GenolongError (numbers + the flags that would fit) if the step cannot fit; else the estimate."""
+    """Raise GenolongError (numbers, the resource that is short, what would fit) if the step cannot fit; else the estimate."""
     if gpu_bytes is None:
         gpu_bytes = _device_bytes()
     est = estimate_memory(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)
-    if est.fits:
-        return est
-    where = []
-    if not est.fits_gpu:
-        where.append(f"GPU {_gib(est.gpu_total)} > {_gib(est.gpu_bytes)} usable")
-    if not est.fits_host:
-        where.append(f"pinned host {_gib(est.host_total)} > {_gib(est.host_bytes)} usable per GPU")
+    if not est.fits:
+        raise GenolongError(_refusal(model_config, est, shortfall(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)))
+    return est
+
+
+def preflight_cpu(model_config: ModelConfig, seq_len: int, opts: MemoryOptions, *, batch: int = 1, dtype_bytes: int = FP32, ram_bytes: int | None = None) -> MemoryEstimate:
+    """The CPU run's pre-flight: refuse before allocating when the plan exceeds the RAM budget."""
+    est = estimate_cpu_memory(model_config, seq_len, opts, batch=batch, dtype_bytes=dtype_bytes, ram_bytes=ram_bytes)
+    if not est.fits:
+        fixes = shortfall(model_config, seq_len, opts, 1, est.gpu_bytes, device="cpu", batch=batch, dtype_bytes=dtype_bytes, ram_bytes=ram_bytes)
+        raise GenolongError(_refusal(model_config, est, fixes))
+    return est
+
+
+def _refusal(config: ModelConfig, est: MemoryEstimate, fixes: list[str]) -> str:
     top = sorted(est.gpu.items(), key=lambda kv: -kv[1])[:3]
     detail = ", ".join(f"{k} {_gib(v)}" for k, v in top)
-    fixes = fixes_for(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)
-    if fixes:
-        fix = "it would fit with " + " or ".join(fixes)
-    else:
-        fix = f"no memory flag makes it fit on {n_gpus} GPU(s): shorten --seq or use more GPUs (--gpus)"
-    raise GenolongError(
-        f"{model_config.name} at {format_length(seq_len)} tokens does not fit: {'; '.join(where)} "
-        f"(largest: {detail}, {est.offload_layers} layers offloaded); {fix}; see `genolong plan`"
+    offloaded = f", {est.offload_layers} layers offloaded" if est.device != "cpu" else ""
+    fix = ("it would fit with " + "; or ".join(fixes)) if fixes else "nothing short of a smaller model makes it fit"
+    return (
+        f"{config.name} at {format_length(est.seq_len)} tokens does not fit: {_where(est)} (largest: {detail}{offloaded}); "
+        f"{fix}; see `genolong plan`"
     )
+
+
+def _where(est: MemoryEstimate) -> str:
+    """The resources that are short, with their numbers."""
+    parts = []
+    if est.device == "cpu":
+        parts.append(f"CPU RAM short: {_gib(est.gpu_total)} > {_gib(est.gpu_bytes)} usable")
+    else:
+        if not est.fits_gpu:
+            parts.append(f"GPU memory short: {_gib(est.gpu_total)} > {_gib(est.gpu_bytes)} usable per GPU")
+        if not est.fits_host:
+            kind = "pinned host memory" if est.opts.offload_pinned else "host memory"
+            parts.append(f"{kind} short: {_gib(est.host_total)} > {_gib(est.host_bytes)} usable per GPU")
+    return "; ".join(parts)
+
+
+def shortfall(
+    config: ModelConfig,
+    seq_len: int,
+    opts: MemoryOptions,
+    n_gpus: int,
+    gpu_bytes: int,
+    *,
+    device: str = "cuda",
+    batch: int = 1,
+    dtype_bytes: int | None = None,
+    host_bytes: int | None = None,
+    ram_bytes: int | None = None,
+    setup: ParallelSetup | None = None,
+) -> list[str]:
+    """The changes under which a run that does not fit would fit, aimed at the resource that is short:
+    memory flags, fewer offloaded layers, a smaller MoE chunk, more host RAM, more GPUs (the best
+    layout on the fewest, genolong.train.plan_suggest), a shorter --seq."""
+    if device == "cpu":
+        a = FP32 if dtype_bytes is None else dtype_bytes
+
+        def trial(seq=seq_len, o=opts):
+            return estimate_cpu_memory(config, seq, o, batch=batch, dtype_bytes=a, ram_bytes=ram_bytes)
+    else:
+        a = 2 if dtype_bytes is None else dtype_bytes
+        setup = setup or single_gpu_setup(n_gpus)
+
+        def trial(seq=seq_len, o=opts):
+            return estimate_memory(config, seq, o, gpu_bytes=gpu_bytes, batch=batch, dtype_bytes=a, host_bytes=host_bytes, setup=setup)
+
+    est = trial()
+    if est.fits:
+        return []
+    found = _flag_fixes(opts, lambda o: trial(o=o).fits)
+    if device == "cpu":
+        found.append(f"more RAM: {_gib(est.gpu_total / HOST_USABLE)} installed, or --host-budget-gib {math.ceil(est.gpu_total / GIB)}")
+    else:
+        found += _offload_fixes(est, trial, opts)
+        found += _moe_chunk_fixes(config, trial, opts)
+        need = math.ceil(est.host_total / GIB)
+        if not est.fits_host and trial(o=MemoryOptions.from_dict({**opts.to_dict(), "host_budget_gib": need})).fits:
+            node = setup.gpus_on_node
+            found.append(f"more host RAM: --host-budget-gib {need} per GPU (a node of {node} GPU(s) with {_gib(need * GIB * node / HOST_USABLE)} of RAM)")
+        more = _more_gpus(config, seq_len, opts, gpu_bytes, setup, batch=batch, dtype_bytes=a, host_bytes=host_bytes)
+        if more:
+            found.append(more)
+    seq = seq_len // 2
+    while seq >= 1024 and not trial(seq=seq).fits:
+        seq //= 2
+    if seq >= 1024:
+        found.append(f"a shorter sequence: --seq {format_length(seq)}")
+    elif device == "cpu":
+        found.append("a smaller model (--preset tiny)")  # the weights and optimizer state alone are too much
+    return found
+
+
+def _moe_chunk_fixes(config: ModelConfig, trial, opts: MemoryOptions) -> list[str]:
+    """The largest smaller --moe-chunk that fits (uneven routing under ep multiplies a chunk's rows)."""
+    if not (config.moe_layers and opts.moe_chunking):
+        return []
+    chunk = opts.moe_chunk_tokens // 2
+    while chunk >= 4096:
+        if trial(o=MemoryOptions.from_dict({**opts.to_dict(), "moe_chunk_tokens": chunk})).fits:
+            return [f"a smaller MoE chunk: --moe-chunk {format_length(chunk)}"]
+        chunk //= 2
+    return []
+
+
+def _more_gpus(config: ModelConfig, seq_len: int, opts: MemoryOptions, gpu_bytes: int, setup: ParallelSetup, **kw) -> str | None:
+    """The fewest GPUs (a power of two above today's) on which some layout fits, with that layout."""
+    from genolong.train.plan_suggest import fewest_gpus
+
+    best = fewest_gpus(
+        config, seq_len, opts, setup.world, gpu_bytes, kda_mode=setup.kda_mode, optimizer_on_host=setup.optimizer_on_host,
+        gpus_per_node=setup.gpus_per_node, moe_skew=setup.moe_skew, micro_batch=kw.pop("batch"), **kw,
+    )
+    if best is None:
+        return None
+    flags = f"--gpus {best.setup.world} --parallel {best.setup.layout}" + (" --fsdp" if best.setup.fsdp else "")
+    plan_only = f" (a plan: genolong does not run {', '.join(best.blockers)} yet)" if best.blockers else ""
+    return f"more GPUs: {flags}{plan_only}"
+
+
+def _flag_fixes(opts: MemoryOptions, fits) -> list[str]:
+    """The memory switches that are off and would make the run fit one at a time, else all together."""
+    candidates = [
+        ("--recompute", dict(recompute=True)),
+        ("--recompute --offload", dict(recompute=True, offload=True, offload_layers=None)),
+        ("--moe-chunking", dict(moe_chunking=True)),
+        ("--chunked-loss", dict(chunked_loss=True)),
+    ]
+    changed = lambda change: MemoryOptions.from_dict({**opts.to_dict(), **change})  # noqa: E731
+    off = [(flag, change) for flag, change in candidates if not all(getattr(opts, k) == v for k, v in change.items() if k != "offload_layers")]
+    found = [flag for flag, change in off if fits(changed(change))]
+    full = dict(recompute=True, offload=True, offload_layers=None, moe_chunking=True, chunked_loss=True)
+    if not found and len(off) > 1 and fits(changed(full)):
+        found.append("the full memory stack (drop --baseline / every --no-* flag)")
+    return found
+
+
+def _offload_fixes(est: MemoryEstimate, trial, opts: MemoryOptions) -> list[str]:
+    """A fixed --offload-layers that is wrong for this run: the count that fits both GPU and host."""
+    if not (opts.offload and opts.recompute and opts.offload_layers is not None):
+        return []
+    auto = trial(o=MemoryOptions.from_dict({**opts.to_dict(), "offload_layers": None}))
+    if auto.fits and auto.offload_layers != opts.offload_layers:
+        fewer = "fewer" if auto.offload_layers < opts.offload_layers else "more"
+        return [f"{fewer} offloaded layers: --offload-layers {auto.offload_layers} (or leave it unset)"]
+    return []
+
+
+def fixes_for(config: ModelConfig, seq_len: int, opts: MemoryOptions, n_gpus: int, gpu_bytes: int, **kw) -> list[str]:
+    """The memory flags alone (one at a time, else together) under which this run would fit."""
+    return _flag_fixes(opts, lambda o: estimate_memory(config, seq_len, o, n_gpus, gpu_bytes, **kw).fits)
 
 
 def _device_bytes() -> int:

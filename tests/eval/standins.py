@@ -13,24 +13,25 @@ import torch
 from genolong.data.sampler import Window
 from genolong.eval.positional import ModelScorer
 from genolong.eval.run import ModelSpec
-from genolong.train.loss import chunked_token_loss
 from genolong.vocab import DNA_MODEL_VOCAB_SIZE, N_ID
 
 
 class GRULM(torch.nn.Module):
-    def __init__(self, seed: int, hidden: int = 16) -> None:
+    def __init__(self, seed: int, hidden: int = 16, vocab: int = DNA_MODEL_VOCAB_SIZE, bias: bool = False) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        self.emb = torch.nn.Embedding(DNA_MODEL_VOCAB_SIZE, hidden)
+        self.emb = torch.nn.Embedding(vocab, hidden)
         self.rnn = torch.nn.GRU(hidden, hidden, batch_first=True)
-        self.lm_head = torch.nn.Linear(hidden, DNA_MODEL_VOCAB_SIZE, bias=False)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=bias)
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
         self.calls = 0
+        self.inputs: list[torch.Tensor] = []  # every input_ids it was run on, for tests that check them
 
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        self.inputs.append(ids.detach().cpu().clone())
         return self.rnn(self.emb(ids))[0]
 
 
@@ -51,5 +52,6 @@ def spec(source: str = "stand-in", **arch) -> ModelSpec:
     return ModelSpec(source, source, {"kind": "gru", **arch}, list(range(5)))
 
 
-def scorer(model: torch.nn.Module, chunk_tokens: int = 64) -> ModelScorer:
-    return ModelScorer(model, np.arange(5), chunked_token_loss, chunk_tokens=chunk_tokens)
+def scorer(model: torch.nn.Module, chunk_tokens: int = 64, token_map=range(5)) -> ModelScorer:
+    """DNA-renormalised scoring, as eval-positional does."""
+    return ModelScorer(model, np.asarray(list(token_map)), chunk_tokens=chunk_tokens)

@@ -1,11 +1,13 @@
 """`genolong eval-positional` end to end on CPU: prepared data, tiny GLM-architecture checkpoints.
 
 The numbers in positional.json are checked against a direct computation in this test: the
-model run on each window with full logits and F.cross_entropy, N masked, bucket means
-accumulated by hand. Bad inputs get one line on stderr and exit code 2.
+model run on each window with full logits, the four base columns log-softmaxed, N masked,
+bucket means accumulated by hand. Bad inputs get one line on stderr and exit code 2.
 """
 
 import json
+import math
+import shutil
 import sys
 
 import numpy as np
@@ -68,24 +70,24 @@ def genolong(monkeypatch, capsys, *args):
     return code, out.out, out.err
 
 
-def direct_full(model, tokens):
-    """Per-target losses by the plainest route: full logits, F.cross_entropy in float64."""
-    ids = torch.from_numpy(tokens.astype(np.int64))[None]
+def direct_full(model, tokens, token_map=(0, 1, 2, 3, 4)):
+    """Per-target bits by the plainest route: full logits, the four base columns (token_map[:4])
+    log-softmaxed in float64 (N targets: any value, they are masked)."""
+    ids = torch.from_numpy(np.asarray(token_map)[tokens.astype(np.int64)])[None]
     with torch.no_grad():
-        return F.cross_entropy(model(ids[:, :-1]).logits[0].double(), ids[0, 1:], reduction="none").numpy()
+        logits = model(ids[:, :-1]).logits[0].double()[:, list(token_map[:4])]
+    targets = torch.from_numpy(np.minimum(tokens[1:], 3).astype(np.int64))
+    return -F.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].numpy() / math.log(2)
 
 
 def direct_control(model, tokens, j):
-    """Loss of target j given only tokens[s - C : j], s = start of j's control block: one forward per target."""
+    """Bits of target j given only tokens[s - C : j], s = start of j's control block: one forward per target."""
     s = (j // CONTROL) * CONTROL
-    ids = torch.from_numpy(tokens[s - CONTROL : j + 1].astype(np.int64))[None]
-    with torch.no_grad():
-        logits = model(ids[:, :-1]).logits[0, -1].double()
-    return F.cross_entropy(logits[None], ids[0, -1:]).item()
+    return direct_full(model, tokens[s - CONTROL : j + 1])[-1]
 
 
 ARGS = ("--seq", "512", "--bucket", "128", "--control-context", "128", "--bootstrap", "200",
-        "--max-n-fraction", "0.5", "--max-windows", "4", "--no-progress")
+        "--max-n-fraction", "0.5", "--max-windows", "4", "--markov-max-order", "4", "--no-progress")
 
 
 def test_end_to_end_numbers_match_a_direct_computation(world, monkeypatch, capsys, tmp_path):
@@ -94,8 +96,12 @@ def test_end_to_end_numbers_match_a_direct_computation(world, monkeypatch, capsy
         monkeypatch, capsys, "eval-positional", "--data", world["data"], "--checkpoint", world["run"], "--out", out, *ARGS
     )
     assert code == 0, err
-    assert "late - early" in stdout and "long-range part" in stdout
+    assert "late - early" in stdout and "long-range part" in stdout and "Markov order" in stdout
+    assert "the last 10% of each train record (the data has no validation split)" in stdout
+    assert "fitting the Markov baseline" in err
     doc = json.loads((out / "positional.json").read_text())
+    assert doc["controls"] == ["truncated", "shuffled"]  # the default
+    assert doc["summary"]["interval_warning"].startswith("only 4 windows")
     assert doc["meta"]["models"]["baseline"]["label"] == "run step 0"  # the default baseline: RUN@0
     assert doc["meta"]["models"]["checkpoint"]["label"] == "run step 3"
     # chr22 tiles at 0, 512, 1024 (36 N), 1536 (164 N): --max-windows 4 stops there; chrY is too short
@@ -118,7 +124,7 @@ def test_end_to_end_numbers_match_a_direct_computation(world, monkeypatch, capsy
                 if tokens[j] != N_ID:
                     sums[j // BUCKET] += full[j - 1]
                     counts[j // BUCKET] += 1
-        row = next(r for r in doc["loss_nats"] if (r["model"], r["context"], r["bases"]) == (role, "full", "all"))
+        row = next(r for r in doc["bits_per_base"] if (r["model"], r["context"], r["bases"]) == (role, "full", "all"))
         np.testing.assert_allclose(row["value"], sums / counts, rtol=2e-5)
         assert doc["n_tokens"]["all"] == counts.astype(int).tolist()
 
@@ -133,9 +139,14 @@ def test_end_to_end_numbers_match_a_direct_computation(world, monkeypatch, capsy
     for name in ("positional.csv", "positional.png", "summary.txt"):
         assert (out / name).is_file()
 
-    # A rerun finds every window done and rewrites the same tables without loading a model.
+    # Markov rows: the same targets; its fit is cached beside the outputs.
+    markov_row = next(r for r in doc["bits_per_base"] if (r["model"], r["bases"]) == ("markov", "all"))
+    assert all(1.0 < v < 2.5 for v in markov_row["value"]) and (out / "markov.npz").is_file()
+
+    # A rerun finds every window done and rewrites the same tables without loading a model or refitting.
     before = (out / "positional.csv").read_text()
     monkeypatch.setattr("genolong.eval.models.load", lambda *a, **k: pytest.fail("nothing left to score"))
+    monkeypatch.setattr("genolong.eval.markov.fit", lambda *a, **k: pytest.fail("the Markov fit is cached"))
     code, _, err = genolong(
         monkeypatch, capsys, "eval-positional", "--data", world["data"], "--checkpoint", world["run"], "--out", out, *ARGS
     )
@@ -230,7 +241,7 @@ def test_default_baseline_without_step_0(world, tmp_path):
 def test_interrupted_run_resumes_to_the_same_tables(world, monkeypatch, capsys, tmp_path):
     import genolong.eval.run as run_mod
 
-    args = ("eval-positional", "--data", world["data"], "--checkpoint", world["run"], *ARGS)
+    args = ("eval-positional", "--data", world["data"], "--checkpoint", world["run"], *ARGS, "--controls", "truncated")
     code, _, err = genolong(monkeypatch, capsys, *args, "--out", tmp_path / "whole")
     assert code == 0, err
 
@@ -255,3 +266,62 @@ def test_interrupted_run_resumes_to_the_same_tables(world, monkeypatch, capsys, 
     assert code == 0, err
     assert len(scored) == 3  # only the checkpoint's windows 2-4
     assert (tmp_path / "cut" / "positional.csv").read_text() == (tmp_path / "whole" / "positional.csv").read_text()
+
+
+def test_a_copied_run_resumes_and_a_changed_checkpoint_is_refused(world, monkeypatch, capsys, tmp_path):
+    args = ("eval-positional", "--data", world["data"], *ARGS, "--max-windows", "2", "--controls", "truncated")
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    code, _, err = genolong(monkeypatch, capsys, *args, "--checkpoint", run, "--out", tmp_path / "e")
+    assert code == 0, err
+
+    # The run directory moved elsewhere (new path, new mtimes): the same models, nothing to rescore.
+    moved = tmp_path / "moved" / "run"
+    shutil.copytree(run, moved)
+    for p in moved.rglob("*"):
+        p.touch()
+    shutil.rmtree(run)
+    with monkeypatch.context() as m:
+        m.setattr("genolong.eval.models.load", lambda *a, **k: pytest.fail("the copied models were rescored"))
+        code, _, err = genolong(monkeypatch, capsys, *args, "--checkpoint", moved, "--out", tmp_path / "e")
+    assert code == 0, err
+
+    # One byte of the checkpoint's weights changed: another model, refused without --overwrite.
+    weights = moved / "checkpoints/step_00000003/model/model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    code, _, err = genolong(monkeypatch, capsys, *args, "--checkpoint", moved, "--out", tmp_path / "e")
+    assert code == 2 and "different evaluation (models.checkpoint.fingerprint" in err
+
+
+def test_a_text_vocabulary_checkpoint_is_scored_over_its_base_tokens(world, monkeypatch, capsys, tmp_path):
+    """A GLM-style checkpoint: 16 tokens, bases at ids 11-15 (its tokenizer.json); probability on
+    the other tokens does not count against it."""
+    vocab = {tok: i for i, tok in enumerate(["<pad>", *"BDEFHIJKLM", *"ACGTN"])}
+    dirs = []
+    for seed in (0, 1):
+        path = _model(tmp_path / f"glm{seed}", seed, vocab_size=16)
+        (path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab}}))
+        dirs.append(path)
+    out = tmp_path / "e"
+    code, _, err = genolong(
+        monkeypatch, capsys, "eval-positional", "--data", world["data"], "--baseline", dirs[0], "--checkpoint", dirs[1],
+        "--out", out, *ARGS, "--max-windows", "1", "--control-context", "0",
+    )
+    assert code == 0, err
+    doc = json.loads((out / "positional.json").read_text())
+    pg = open_prepared(world["data"])
+    tokens, _ = pg.read("holdout", "chr22", 0, SEQ)
+    for role, path in (("baseline", dirs[0]), ("checkpoint", dirs[1])):
+        bits = direct_full(from_pretrained(path, dtype=torch.float32), tokens, token_map=(11, 12, 13, 14, 15))
+        valid = tokens[1:] != N_ID
+        expect = [bits[(np.arange(1, SEQ) // BUCKET == b) & valid].mean() for b in range(SEQ // BUCKET)]
+        row = next(r for r in doc["bits_per_base"] if (r["model"], r["context"], r["bases"]) == (role, "full", "all"))
+        np.testing.assert_allclose(row["value"], expect, rtol=2e-5)
+
+
+def test_an_unknown_control_is_one_clear_line(world, monkeypatch, capsys, tmp_path):
+    code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path), "--controls", "truncated,reversed")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "unknown control 'reversed'; use truncated, shuffled, both (truncated,shuffled) or none" in err

@@ -3,9 +3,11 @@
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 from nbclient import NotebookClient
 
+from genolong.eval import markov
 from genolong.eval.positional import Layout
 from genolong.eval.run import Settings, evaluate
 from genolong.train.metrics import StepRecord
@@ -31,11 +33,12 @@ def test_notebook_executes_on_small_outputs(tmp_path, monkeypatch):
     models = {"baseline": GRULM(0), "checkpoint": GRULM(1)}
     out = tmp_path / "eval" / "small"
     evaluate(
-        Settings(Layout(256, 64, 64), out, n_boot=100, progress=False),
+        Settings(Layout(256, 64, 64, controls=("truncated", "shuffled")), out, n_boot=100, progress=False),
         {"baseline": spec(), "checkpoint": spec()},
         lambda: iter(make_windows(4, 256)),
         lambda role: scorer(models[role]),
         echo=lambda _: None,
+        markov=markov.fit([np.random.default_rng(0).integers(0, 4, 4000).astype(np.uint8)], [np.zeros(50, dtype=np.uint8)], max_order=2),
     )
     write_log(tmp_path / "runs" / "small")
     monkeypatch.setenv("GENOLONG_RUNS", str(tmp_path / "runs" / "small"))
@@ -43,12 +46,18 @@ def test_notebook_executes_on_small_outputs(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "run small: 6 steps, final loss 1.2000" in text
-    assert "late_minus_early" in text
+    assert "run small: 6 steps, final training loss 1.2000 nats (1.7312 bits) per token" in text
+    assert "WARNING: only 4 windows" in text
+    assert "late_minus_early" in text and "long_range_late_shuffled" in text
+    table = {line.split()[1]: line for line in text.splitlines() if line.startswith("bits/base:")}
+    assert table["uniform"].split()[-1] == "2.0000" and "[" in table["markov"] and "[" in table["checkpoint"]
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 2  # training panel + one positional panel
 
 
-def test_notebook_is_stored_without_outputs():
+def test_notebook_is_stored_without_outputs_and_says_how_to_run_it():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and "jupyter execute notebooks/analysis.ipynb" in first.source
+    assert "GENOLONG_RUNS" in first.source and "GENOLONG_EVALS" in first.source

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("pipelines/demo.sh", "pipelines/hg38_512k.sh")
+SCRIPTS = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "pipelines").glob("*.sh")))
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

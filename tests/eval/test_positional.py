@@ -1,4 +1,4 @@
-"""Window scoring: per-bucket sums equal a direct per-token computation, and the control is what it claims."""
+"""Window scoring: per-bucket sums equal a direct per-token computation, and each control is what it claims."""
 
 import math
 
@@ -8,17 +8,34 @@ import torch
 import torch.nn.functional as F
 
 from genolong.errors import GenolongError
-from genolong.eval.positional import CLASSES, Layout, score_window
+from genolong.eval.positional import CLASSES, MODES, Layout, ModelScorer, score_window
+from genolong.train.loss import chunked_token_loss
 from genolong.vocab import N_ID
 from tests.eval.standins import GRULM, make_windows, scorer
 
+LN2 = math.log(2)
 
-def direct_losses(model, tokens):
-    """Loss of target j (j = 1..T-1) from one plain forward and F.cross_entropy: no chunking."""
-    ids = torch.from_numpy(tokens.astype(np.int64))[None]
+
+def direct_bits(model, ids, columns=(0, 1, 2, 3)):
+    """Bits of each target (ids[1:]) from one plain forward with full logits: keep the four base
+    columns, log-softmax over them, pick the target's column. N targets get NaN."""
+    ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]
     with torch.no_grad():
-        logits = model.lm_head(model.hidden_states(ids[:, :-1]))[0]
-    return F.cross_entropy(logits.double(), ids[0, 1:], reduction="none").numpy()
+        logits = model.lm_head(model.hidden_states(ids[:, :-1]))[0].double()
+    logp = F.log_softmax(logits[:, list(columns)], dim=-1)
+    out = np.full(ids.shape[1] - 1, np.nan)
+    for j, t in enumerate(ids[0, 1:].tolist()):
+        if t in columns:
+            out[j] = -logp[j, list(columns).index(t)].item() / LN2
+    return out
+
+
+def bucket_sums(per_target, tokens, bucket, n_buckets):
+    sums = np.zeros(n_buckets)
+    for j in range(1, len(tokens)):
+        if tokens[j] != N_ID:
+            sums[j // bucket] += per_target[j - 1]
+    return sums
 
 
 def test_bucket_sums_match_a_direct_computation():
@@ -26,7 +43,7 @@ def test_bucket_sums_match_a_direct_computation():
     layout = Layout(seq=300, bucket=64, control=None)  # last bucket partial (256-300)
     for w in make_windows(3, 300):
         score = score_window(scorer(model, chunk_tokens=37), w.tokens, w.repeat_mask, layout)
-        loss = direct_losses(model, w.tokens)
+        loss = direct_bits(model, w.tokens)
         for cls_index, cls in enumerate(CLASSES):
             for b in range(layout.n_buckets):
                 picked = [
@@ -36,7 +53,26 @@ def test_bucket_sums_match_a_direct_computation():
                 ]
                 assert score.counts[cls_index, b] == len(picked)
                 assert score.sums[0, cls_index, b] == pytest.approx(sum(picked), rel=1e-5, abs=1e-6)
-        assert np.all(np.isnan(score.sums[1]))  # no control asked for
+        assert np.all(np.isnan(score.sums[1:]))  # no control asked for
+
+
+def test_scores_are_renormalised_over_the_four_bases_of_any_vocabulary():
+    """A GLM-style model: 16 tokens, bases at ids 11-15, text tokens that take probability mass."""
+    model = GRULM(2, vocab=16)
+    token_map = [11, 12, 13, 14, 15]
+    w = make_windows(2, 200)[1]  # has an N run
+    layout = Layout(seq=200, bucket=50, control=None)
+    score = score_window(scorer(model, token_map=token_map), w.tokens, w.repeat_mask, layout)
+    ids = np.asarray(token_map)[w.tokens]
+    expect = bucket_sums(direct_bits(model, ids, columns=(11, 12, 13, 14)), w.tokens, 50, 4)
+    np.testing.assert_allclose(score.sums[0].sum(axis=0), expect, rtol=1e-5)
+    # Renormalising over a subset that holds the target can only raise its probability: the
+    # DNA-only loss is below the full-vocabulary loss of the same model at every target.
+    full_vocab = ModelScorer(model, np.asarray(token_map), chunked_token_loss, chunk_tokens=64)
+    whole = full_vocab.losses(full_vocab.token_ids(w.tokens)[None])[0].double().numpy() / LN2
+    dna = direct_bits(model, ids, columns=(11, 12, 13, 14))
+    valid = w.tokens[1:] != N_ID
+    assert np.all(dna[valid] <= whole[valid] + 1e-9) and np.mean(whole[valid] - dna[valid]) > 0.1
 
 
 def test_n_targets_are_not_counted():
@@ -45,46 +81,101 @@ def test_n_targets_are_not_counted():
     assert score.counts.sum() == int((w.tokens[1:] != N_ID).sum()) < 255
 
 
-def test_control_scores_each_target_with_capped_context():
+def test_truncated_control_scores_each_target_with_capped_context():
     model = GRULM(1)
     seq, c = 200, 48
     w = make_windows(1, seq, seed=3, n_run=False)[0]
-    layout = Layout(seq=seq, bucket=seq // 4, control=c)
+    layout = Layout(seq=seq, bucket=seq // 4, control=c, controls=("truncated",))
     score = score_window(scorer(model), w.tokens, w.repeat_mask, layout)
-    full = direct_losses(model, w.tokens)
+    full = direct_bits(model, w.tokens)
 
     # Independently: target j in block [s, s+c) is predicted from tokens[s-c : j] only.
     control = full.copy()
-    for j in range(c, seq):
+    for j in range(2 * c, seq):
         s = (j // c) * c
-        ctx = torch.from_numpy(w.tokens[s - c : j].astype(np.int64))[None]
-        with torch.no_grad():
-            logits = model.lm_head(model.hidden_states(ctx))[0, -1]
-        control[j - 1] = F.cross_entropy(logits.double()[None], torch.tensor([int(w.tokens[j])])).item()
+        control[j - 1] = direct_bits(model, w.tokens[s - c : j + 1])[-1]
     assert not np.allclose(control, full)  # the stand-in really depends on far context
 
+    truncated = MODES.index("truncated")
+    for b in range(layout.n_buckets):
+        in_b = np.arange(1, seq) // layout.bucket == b
+        assert score.sums[truncated, :, b].sum() == pytest.approx(control[in_b].sum(), rel=1e-5)
+        assert score.sums[0, :, b].sum() == pytest.approx(full[in_b].sum(), rel=1e-5)
+    assert np.all(np.isnan(score.sums[MODES.index("shuffled")]))
+
+
+def dinucleotides(a):
+    a = np.asarray(a, dtype=np.int64)
+    return np.bincount(a[:-1] * 5 + a[1:], minlength=25)
+
+
+def test_shuffled_control_changes_only_the_context_beyond_c():
+    model = GRULM(1)
+    seq, c = 256, 48
+    w = make_windows(1, seq, seed=4, n_run=False)[0]
+    w.tokens[20:30] = N_ID  # an N run in the shuffled part: shuffled along with the rest
+    layout = Layout(seq=seq, bucket=64, control=c, controls=("shuffled",))
+    score = score_window(scorer(model), w.tokens, w.repeat_mask, layout)
+
+    runs = model.inputs[1:]  # after the full pass: one run per control block, in order
+    starts = list(range(2 * c, seq, c))
+    assert len(runs) == len(starts)
+    control = direct_bits(model, w.tokens)
+    for s, run in zip(starts, runs):
+        end = min(s + c, seq)
+        ids = run[0].numpy()
+        assert len(ids) == end - 1  # the model sees as many tokens as at full context
+        np.testing.assert_array_equal(ids[s - c :], w.tokens[s - c : end - 1])  # real context C..2C-1, untouched
+        prefix, real = ids[: s - c], w.tokens[: s - c]
+        assert not np.array_equal(prefix, real)  # shuffled ...
+        assert np.array_equal(dinucleotides(prefix), dinucleotides(real))  # ... keeping every neighbour pair
+        assert prefix[0] == real[0]
+        # The block's targets, scored directly from that very input.
+        mixed = np.concatenate([prefix, w.tokens[s - c : end]])
+        control[s - 1 : end - 1] = direct_bits(model, mixed)[s - 1 : end - 1]
+
+    shuffled = MODES.index("shuffled")
+    full = direct_bits(model, w.tokens)
     valid = w.tokens[1:] != N_ID
     for b in range(layout.n_buckets):
-        in_b = (np.arange(1, seq) // layout.bucket == b) & valid
-        got = score.sums[1, :, b].sum()
-        assert got == pytest.approx(control[in_b].sum(), rel=1e-5)
-        assert score.sums[0, :, b].sum() == pytest.approx(full[in_b].sum(), rel=1e-5)
+        in_b = (np.arange(1, seq) // 64 == b) & valid
+        assert score.sums[shuffled, :, b].sum() == pytest.approx(control[in_b].sum(), rel=1e-5)
+    # Targets before 2C have nothing beyond their real context: control == full there.
+    assert score.sums[shuffled, :, 0].sum() == pytest.approx(full[(np.arange(1, seq) < 64) & valid].sum(), rel=1e-6)
+    assert not np.isclose(score.sums[shuffled, :, 3].sum(), score.sums[0, :, 3].sum())
+
+    # The same window gives the same shuffle on a rerun (seeded by its content).
+    again = score_window(scorer(model), w.tokens, w.repeat_mask, layout)
+    np.testing.assert_array_equal(again.sums, score.sums)
 
 
-def test_control_runs_chunks_of_two_c():
+def test_control_runs_and_their_lengths():
     model = GRULM(0)
     seq, c = 256, 64
     w = make_windows(1, seq)[0]
-    score_window(scorer(model), w.tokens, w.repeat_mask, Layout(seq, 64, c))
-    # one full pass + one per control block from 2C on ([C, 2C) is the full pass's own prefix)
-    assert model.calls == 1 + math.ceil((seq - 2 * c) / c)
+    layout = Layout(seq, 64, c, controls=("truncated", "shuffled"))
+    score_window(scorer(model), w.tokens, w.repeat_mask, layout)
+    blocks = math.ceil((seq - 2 * c) / c)  # [C, 2C) is the full pass's own prefix
+    assert model.calls == 1 + 2 * blocks
+    lengths = [x.shape[1] for x in model.inputs]
+    assert sum(lengths) == sum(layout.forward_tokens().values())
 
 
 @pytest.mark.parametrize(
-    ("seq", "bucket", "control", "flag"),
-    [(1024, 2048, None, "--bucket"), (1024, 64, 1024, "--control-context"), (1, 1, None, "--seq")],
+    ("seq", "bucket", "control", "controls", "flag"),
+    [
+        (1024, 2048, None, (), "--bucket"),
+        (1024, 64, 1024, ("truncated",), "--control-context"),
+        (1, 1, None, (), "--seq"),
+        (1024, 64, 64, ("reversed",), "--controls"),
+    ],
 )
-def test_layout_refuses_impossible_settings(seq, bucket, control, flag):
+def test_layout_refuses_impossible_settings(seq, bucket, control, controls, flag):
     with pytest.raises(GenolongError, match=flag) as err:
-        Layout(seq=seq, bucket=bucket, control=control)
+        Layout(seq=seq, bucket=bucket, control=control, controls=controls)
     assert "\n" not in str(err.value)
+
+
+def test_layout_without_control_context_runs_no_control():
+    assert Layout(512, 64, None, controls=("truncated", "shuffled")).contexts == ("full",)
+    assert Layout(512, 64, 64, controls=("shuffled", "truncated")).contexts == ("full", "truncated", "shuffled")

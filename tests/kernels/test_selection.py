@@ -24,8 +24,18 @@ def _args(op):
     if op == "dsa_sparse_attention":
         idx = torch.tril(torch.ones(8, 8, dtype=torch.int32)).cumsum(-1).sub(1).masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), -1)
         return (r(1, 8, 2, 512), r(1, 8, 512), idx[None]), {"scale": 0.1}
+    if op == "kda_short_conv":
+        return (r(1, 8, 6), r(6, 4)), {}
     if op == "dsa_indexer_topk":
         return (r(1, 16, 2, 32), r(1, 4, 32), r(1, 16, 2)), dict(kpool=4, topk_pools=2, always_select_tail=True, softmax_scale=0.2)
+    if op == "dsa_indexer_loss":
+        from genolong.model.dsa import sparse_attention_reference
+        from genolong.model.indexer import indexer_topk_reference
+
+        iq, pk, w, q, kv = r(1, 16, 2, 32), r(1, 4, 32), r(1, 16, 2), r(1, 16, 2, 64), r(1, 16, 64)
+        idx = indexer_topk_reference(iq, pk, w, kpool=4, topk_pools=2, always_select_tail=True, softmax_scale=0.2)
+        _, lse = sparse_attention_reference(q, kv, idx, scale=0.1, return_lse=True)
+        return (iq, pk, w, q, kv, idx, lse), dict(kpool=4, topk_pools=2, index_scale=0.2, scale=0.1, grad_scale=1.0)
     idx = torch.randint(0, 4, (6, 2), generator=g)
     return (r(6, 32), idx, torch.rand(6, 2, generator=g), r(4, 32, 32), r(4, 32, 16)), {"swiglu_limit": 10.0}
 

@@ -1,9 +1,9 @@
 """Each hot op's reference against a naive formula, and the modules' contracts.
 
 The references in genolong/model are the oracles the GPU kernels are tested against, so they are
-themselves checked here against the plainest possible restatement of docs/ops.md: the
-step-by-step KDA recurrence, a brute-force per-query indexer, dense attention under an explicit
-index mask, and a per-token expert loop.
+themselves checked here against the plainest possible restatement of docs/ops.md: a brute-force
+per-query indexer, dense attention under an explicit index mask, and a per-token expert loop
+(the KDA recurrence: tests/model/test_kda.py).
 """
 
 import math
@@ -16,84 +16,14 @@ from genolong.errors import GenolongError
 from genolong.model import GenoLongForCausalLM, get_preset, ops
 from genolong.model import dsa as dsa_mod
 from genolong.model import indexer as indexer_mod
-from genolong.model import kda as kda_mod
 from genolong.model.dsa import DSAAttention, sparse_attention_reference
 from genolong.model.indexer import Indexer, indexer_topk_reference
-from genolong.model.kda import kda_reference
 from genolong.model.mhc import HyperConnection, sinkhorn
 from genolong.model.moe import Router, moe_experts_reference
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-# ---------------------------------------------------------------- KDA
-
-
-def kda_step_by_step(q, k, v, g, beta):
-    """docs/ops.md's recurrence, one token at a time, in float64."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    batch, seq, heads, dk = k.shape
-    state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float64)
-    out = []
-    for t in range(seq):
-        state = state * g[:, t].exp().unsqueeze(-1)
-        correction = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
-        state = state + k[:, t].unsqueeze(-1) * correction.unsqueeze(-2)
-        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return torch.stack(out, dim=1)
-
-
-def _kda_inputs(seq, gate_scale=5.0, seed=0, heads=2, dk=8, dv=12):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, seq, heads, dk, generator=gen)
-    k = torch.randn(2, seq, heads, dk, generator=gen)
-    v = torch.randn(2, seq, heads, dv, generator=gen)
-    g = -gate_scale * torch.rand(2, seq, heads, dk, generator=gen)
-    beta = torch.rand(2, seq, heads, generator=gen)
-    return q, k, v, g, beta
-
-
-@pytest.mark.parametrize("seq,chunk", [(1, 32), (37, 8), (64, 32), (100, 32)])
-def test_kda_reference_matches_recurrence(seq, chunk):
-    inputs = _kda_inputs(seq)
-    out = kda_reference(*inputs, chunk_size=chunk)
-    expected = kda_step_by_step(*inputs)
-    assert out.shape == expected.shape and out.dtype == torch.float32
-    assert (out.double() - expected).abs().max() < 2e-5
-
-
-def test_kda_reference_blocks_of_chunks_change_nothing(monkeypatch):
-    inputs = _kda_inputs(100)
-    whole = kda_reference(*inputs, chunk_size=8)
-    monkeypatch.setattr(kda_mod, "_PAIRWISE_ELEMENTS", 2 * 2 * 8 * 8 * 8 * 3)  # three chunks per block
-    assert torch.allclose(kda_reference(*inputs, chunk_size=8), whole, atol=1e-6)
-
-
-def test_kda_reference_survives_strong_decay():
-    # 64 steps of log-decay -40 would overflow any exp(+G) factorisation; the reference never forms one.
-    inputs = _kda_inputs(64, gate_scale=40.0)
-    out = kda_reference(*inputs, chunk_size=32)
-    assert torch.isfinite(out).all()
-    assert (out.double() - kda_step_by_step(*inputs)).abs().max() < 2e-5
-
-
-def test_kda_reference_gradients_match_recurrence():
-    inputs = [x.double().requires_grad_() for x in _kda_inputs(40)]
-    grads = torch.autograd.grad(kda_reference(*inputs, chunk_size=16).square().sum(), inputs)
-    expected = torch.autograd.grad(kda_step_by_step(*inputs).square().sum(), inputs)
-    for name, got, want in zip("qkvgb", grads, expected):
-        assert _rel(got, want) < 1e-8, name
-
-
-def test_kda_reference_keeps_bf16_io():
-    q, k, v, g, beta = _kda_inputs(40)
-    out = kda_reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16())
-    assert out.dtype == torch.bfloat16
-    assert (out.double() - kda_step_by_step(q, k, v, g, beta)).abs().max() < 0.05
 
 
 # ---------------------------------------------------------------- indexer
@@ -360,7 +290,7 @@ def test_gradients_reach_every_parameter_but_the_frozen_indexer(tiny_model):
 
 def test_fused_policy_on_cpu_fails_at_the_first_layer(tiny_model):
     ops.reset_audit()
-    with ops.policy("fused"), pytest.raises(ops.KernelFallbackError, match="layer 0: op 'kda'"):
+    with ops.policy("fused"), pytest.raises(ops.KernelFallbackError, match="layer 0: op 'kda_short_conv'"):
         tiny_model(torch.zeros(1, 16, dtype=torch.long))
 
 
@@ -369,7 +299,7 @@ def test_auto_policy_records_every_hot_op_per_layer(tiny_model):
     with ops.policy("auto"), torch.no_grad():
         tiny_model(torch.zeros(1, 40, dtype=torch.long))
     cfg = tiny_model.config
-    expected = {(i, "kda") for i in range(cfg.num_layers) if i not in cfg.dsa_layers}
+    expected = {(i, op) for i in range(cfg.num_layers) if i not in cfg.dsa_layers for op in ("kda_short_conv", "kda")}
     expected |= {(i, op) for i in cfg.dsa_layers for op in ("dsa_indexer_topk", "dsa_sparse_attention")}
     expected |= {(i, "moe_experts") for i in cfg.moe_layers}
     assert set(ops.audit()) == expected

@@ -70,7 +70,7 @@ def test_check_run_dir_explains_what_is_wrong(tmp_path):
     with pytest.raises(GenolongError, match="not a genolong run"):
         ck.check_run_dir(tmp_path)
     (tmp_path / ck.OPTIONS_FILE).write_text("{}")
-    with pytest.raises(GenolongError, match="no complete checkpoint"):
+    with pytest.raises(GenolongError, match="no complete checkpoint.*plus --overwrite"):
         ck.check_run_dir(tmp_path)
     _save(tmp_path, 3)
     assert ck.check_run_dir(tmp_path).name == "step_00000003"
@@ -96,3 +96,110 @@ def test_jsonable_round_trip_of_sampler_like_state():
     assert back["pos"] == 7 and back["rng"] == {"s": [1, 2]}
     assert back["perm"].dtype == np.int32 and back["perm"].tolist() == [0, 1, 2, 3, 4]
     assert torch.equal(back["t"], torch.tensor([3]))
+
+
+# ------------------------------------------------------------------ crashes, interrupts, the run lock
+
+
+def test_a_crashed_saves_temporary_directory_is_removed_by_the_next_save(tmp_path, capsys):
+    _save(tmp_path, 1)
+    # What a save killed with SIGKILL leaves behind (another pid), and a pruned checkpoint half-deleted.
+    crashed = tmp_path / ck.CHECKPOINTS / ".tmp-step_00000002-999999"
+    (crashed / "model").mkdir(parents=True)
+    (crashed / "model" / "weights.bin").write_bytes(b"x" * 1000)
+    trash = tmp_path / ck.CHECKPOINTS / ".trash-step_00000000-999999"
+    trash.mkdir()
+    # Not genolong's names: never touched.
+    keep = [tmp_path / ck.CHECKPOINTS / "notes", tmp_path / ck.CHECKPOINTS / ".tmp-mine"]
+    for path in keep:
+        path.mkdir()
+    _save(tmp_path, 2)
+    assert not crashed.exists() and not trash.exists()
+    assert all(path.is_dir() for path in keep)
+    err = capsys.readouterr().err
+    assert ".tmp-step_00000002-999999" in err and "did not finish" in err
+    assert [p.name for p in ck.complete_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler, whatever this process inherited (a background job ignores SIGINT)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_during_a_save_waits_for_the_save(tmp_path, capsys, ctrl_c_raises):
+    import signal
+
+    def interrupted_midway(path):
+        _write_model(path)
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C while the weights are being written
+        (path / "more.bin").write_bytes(b"m" * 10)
+
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 4, write_model=interrupted_midway)
+    # The interrupt arrived after the save: the checkpoint is complete, nothing temporary is left.
+    assert ck.latest(tmp_path).name == "step_00000004"
+    assert ck.is_complete(ck.latest(tmp_path)) and (ck.latest(tmp_path) / "model" / "more.bin").is_file()
+    assert [p.name for p in (tmp_path / ck.CHECKPOINTS).iterdir()] == ["step_00000004"]
+    assert "finishing checkpoint step_00000004" in capsys.readouterr().err
+
+
+def test_a_second_interrupt_abandons_the_save(tmp_path, ctrl_c_raises):
+    import signal
+
+    def interrupted_twice(path):
+        _write_model(path)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        pytest.fail("the second interrupt did not stop the save")
+
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 4, write_model=interrupted_twice)
+    assert ck.latest(tmp_path) is None
+    assert list((tmp_path / ck.CHECKPOINTS).iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_run_lock_keeps_a_second_process_out(tmp_path):
+    with ck.locked(tmp_path / "run"):
+        # Another open file description, as another process would have.
+        with pytest.raises(GenolongError, match=f"in use by another genolong training process \\(pid {__import__('os').getpid()}\\)"):
+            with ck.locked(tmp_path / "run"):
+                pass
+    with ck.locked(tmp_path / "run"):  # released when the holder is done
+        pass
+
+
+def test_refusal_messages_point_at_resume_or_overwrite(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    ck.refuse_occupied(run)  # an empty directory is fine
+    (run / ck.OPTIONS_FILE).write_text(json.dumps({"steps": 8}))
+    with pytest.raises(GenolongError, match="stopped before its first complete checkpoint; start it again by adding --overwrite"):
+        ck.refuse_occupied(run)
+    assert "plus --overwrite" in ck.recovery_hint(run)
+    _save(run, 4)
+    with pytest.raises(GenolongError, match=r"last complete checkpoint: step 4 of 8\); continue it with --resume .*, replace it with --overwrite"):
+        ck.refuse_occupied(run)
+    assert ck.recovery_hint(run) == f"last complete checkpoint: step 4 of 8: continue with `genolong finetune --resume {run}`"
+
+
+def test_overwrite_removes_only_a_genolong_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    _save(run, 1)
+    (run / ck.OPTIONS_FILE).write_text(json.dumps({"steps": 8}))
+    (run / "metrics.jsonl").write_text("{}\n")
+    with ck.locked(run):
+        ck.clear_for_overwrite(run)
+    assert sorted(p.name for p in run.iterdir()) == [ck.LOCK_FILE]
+    assert "removing the earlier run" in capsys.readouterr().err
+    other = tmp_path / "thesis"
+    other.mkdir()
+    (other / "chapter1.tex").write_text("precious")
+    with pytest.raises(GenolongError, match="not a genolong run .* so it is not deleted"):
+        ck.clear_for_overwrite(other)
+    assert (other / "chapter1.tex").read_text() == "precious"

@@ -88,3 +88,63 @@ def test_the_console_script_prints_one_line_and_exits_2(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("genolong: error: --data")
+
+
+# ------------------------------------------------------------------------------ --resume + flags
+
+
+def _stopped_run(data, tmp_path):
+    out = tmp_path / "run"
+    first = _run("--data", data, "--out", out, "--steps", 3, "--stop-after", 1, *TINY, "--no-recompute", "--lr", "0.002")
+    assert first.exit_code == 0, first.output
+    return out
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--seq", "128"], "--seq 128 differs from the run's own setting (64)"),
+        (["--lr", "0.01"], "--lr 0.01 differs"),
+        (["--recompute"], "--recompute differs"),
+        (["--preset", "glm53-mini"], "--preset glm53-mini differs"),
+        (["--data", "{tmp}"], "--data"),
+        (["--baseline"], "--baseline differs"),
+    ],
+)
+def test_resume_refuses_a_flag_that_would_change_the_run(data, tmp_path, args, flag, request):
+    out = request.getfixturevalue("stopped_run")
+    result = _run("--resume", out, *[a.format(tmp=tmp_path) for a in args])
+    assert isinstance(result.exception, GenolongError), result.output
+    message = str(result.exception)
+    assert flag in message and "only --stop-after" in message and "--overwrite" in message and "\n" not in message
+
+
+@pytest.fixture(scope="module")
+def stopped_run(data, tmp_path_factory):
+    return _stopped_run(data, tmp_path_factory.mktemp("stopped"))
+
+
+def test_resume_accepts_flags_equal_to_the_run_and_applies_the_changeable_ones(stopped_run, data):
+    from genolong.train.resume_flags import resume_options
+
+    # Same values as the run (spelled differently) are not conflicts.
+    values = {"seq": "64", "lr": 0.002, "no_such": None, "data": str(data) + "/", "steps": 5, "keep_last": 1, "device": "cpu",
+              "progress": False, "launcher": "local", "stop_after": None, "recompute": False}
+    options = resume_options(str(stopped_run), values, {"seq", "lr", "data", "steps", "keep_last", "recompute"})
+    assert (options.steps, options.keep_last, options.seq_len, options.progress) == (5, 1, 64, False)
+    assert options.resume and not options.overwrite
+    with pytest.raises(GenolongError, match="--no-such 3 cannot be combined with --resume"):
+        resume_options(str(stopped_run), {**values, "no_such": 3}, {"no_such"})
+
+
+def test_resume_with_overwrite_is_refused(stopped_run):
+    result = _run("--resume", stopped_run, "--overwrite")
+    assert "exclude each other" in str(result.exception)
+
+
+def test_the_old_budget_spelling_still_works_with_a_deprecation_line(data, tmp_path):
+    out = tmp_path / "run"
+    result = _run("--data", data, "--out", out, "--steps", 1, *TINY, "--host-budget", "3.5")
+    assert result.exit_code == 0, result.output
+    assert "--host-budget is deprecated; use --host-budget-gib" in result.output
+    assert TrainOptions.from_dict(json.loads((out / "options.json").read_text())).memory.host_budget_gib == 3.5

@@ -10,6 +10,8 @@ from genolong.train.census import layer_saved_bytes_per_token
 from genolong.train.options import MemoryOptions
 from genolong.train.plan import (
     GIB,
+    H200_BYTES as H200,
+    estimate_cpu_memory,
     estimate_memory,
     layer_saved_bytes,
     preflight,
@@ -182,8 +184,12 @@ def test_preflight_refuses_the_baseline_at_512k_and_names_the_flag():
 
 
 def test_preflight_names_no_flag_when_nothing_fits():
-    with pytest.raises(GenolongError, match="shorten --seq or use more GPUs"):
-        preflight(get_preset("glm-5.3-flash"), 1 << 20, MemoryOptions(), n_gpus=1, gpu_bytes=int(139.8 * GIB))
+    # glm-5.3-flash's weights and optimizer state alone exceed one GPU: no --seq helps, GPUs do.
+    # On H200s 64 are not enough once FSDP's gathered layer and the cp-gathered tensors are counted
+    # (tests/train/test_plan_parallel.py); the advice names the layout on the fewest GPUs that fits.
+    with pytest.raises(GenolongError, match="GPU memory short: .* it would fit with more GPUs: --gpus 128 --parallel [^;]*--fsdp[^;]*; see") as err:
+        preflight(get_preset("glm-5.3-flash"), 1 << 20, MemoryOptions(host_budget_gib=4096), n_gpus=1, gpu_bytes=int(139.8 * GIB))
+    assert "--seq" not in str(err.value)
 
 
 def test_preflight_checks_host_memory_too():
@@ -200,12 +206,16 @@ def test_preflight_passes_a_run_that_fits():
 def test_plan_command_prints_gpu_and_host():
     from genolong.cli import app
 
-    result = CliRunner().invoke(app, ["plan", "--seq", "1M", "--preset", "glm-5.3-flash", "--gpus", "64", "--host-gib", "2048"])
+    # --gpus 64 alone: cp=64 with FSDP, which fits 64 B200s (not H200s: tests/train/test_plan_parallel.py).
+    args = ["plan", "--seq", "1M", "--preset", "glm-5.3-flash", "--gpus", "64", "--gpu-type", "b200", "--host-budget-gib", "204.8"]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+    assert "a plan" in result.output  # 64 GPUs: context parallelism and FSDP genolong does not run yet
     for word in ("weights", "optimizer state", "stored layer inputs", "total pinned", "fits"):
         assert word in result.output
     result = CliRunner().invoke(app, ["plan", "--seq", "512k", "--preset", "glm53-mini", "--baseline", "--host-gib", "128"])
-    assert result.exit_code == 0 and "does not fit" in result.output
+    assert result.exit_code == 3 and "does not fit" in result.output
+    assert "--host-gib is deprecated; use --host-budget-gib 102.4" in result.output
 
 
 def test_backward_peak_counts_only_the_inputs_still_stored():
@@ -228,3 +238,80 @@ def test_plan_kernel_constants_are_the_kernels_own():
 
     assert plan.INDEXER_GROUP == indexer_topk.GROUP
     assert plan.INDEXER_BUDGET == indexer_topk.BUDGET_BYTES
+
+
+# --------------------------------------------------------------- CPU runs, advice, exit codes
+
+
+def test_cpu_plan_counts_fp32_weights_and_every_layer_input_in_ram():
+    config = get_preset("glm53-mini")
+    est = estimate_cpu_memory(config, 4096, MemoryOptions(), ram_bytes=1024 * GIB)
+    params = static_bytes(config, dtype_bytes=4)
+    assert est.device == "cpu" and est.host == {}
+    # fp32 parameters are their own master: weights + gradients + two moments, 16 bytes each.
+    assert params["optimizer state"] == 2 * params["gradients"]
+    # Offload would copy into the same RAM: every layer input is counted as kept.
+    assert est.gpu["stored layer inputs"] == config.num_layers * 4096 * 4 * config.hidden * 4
+    assert est.gpu_bytes == int(1024 * GIB * 0.8) and est.fits
+
+
+def test_cpu_preflight_refuses_before_allocating_and_names_ram(data, tmp_path):
+    from genolong.train import loop
+    from tests.train._helpers import tiny_options
+
+    opts = MemoryOptions(offload=False, host_budget_gib=0.001)
+    with pytest.raises(GenolongError) as err:
+        loop.train(tiny_options(data, tmp_path / "run", seq_len=4096, memory=opts))
+    message = str(err.value)
+    assert "CPU RAM short" in message and "usable" in message and "--host-budget-gib" in message and "\n" not in message
+    assert not (tmp_path / "run").exists()  # refused before the run directory was written
+
+
+def test_the_default_finetune_on_a_cpu_is_refused_at_once():
+    from genolong.train.plan import preflight_cpu
+
+    # On 24 GiB no length fits glm53-mini's fp32 weights, gradients and moments with activations.
+    with pytest.raises(GenolongError, match=r"glm53-mini at 512k tokens does not fit: CPU RAM short: .*more RAM.*a smaller model \(--preset tiny\)"):
+        preflight_cpu(get_preset("glm53-mini"), 524288, MemoryOptions(), ram_bytes=24 * GIB)
+    with pytest.raises(GenolongError, match=r"CPU RAM short: .* a shorter sequence: --seq 16k"):
+        preflight_cpu(get_preset("tiny"), 524288, MemoryOptions(), ram_bytes=4 * GIB)
+
+
+def test_host_only_shortfall_names_host_memory_and_asks_for_host_ram_first():
+    from genolong.train.plan import shortfall
+
+    config = get_preset("glm53-mini")
+    opts = MemoryOptions(host_budget_gib=4)
+    est = estimate_memory(config, 524288, opts, 1, H200)
+    assert est.fits_gpu and not est.fits_host and est.short == ["pinned host memory"]
+    fixes = shortfall(config, 524288, opts, 1, H200)
+    assert fixes[0].startswith("more host RAM: --host-budget-gib 24 per GPU")
+    # A fixed --offload-layers above what the GPU needs: fewer offloaded layers is the fix.
+    fixed = MemoryOptions(offload_layers=40, host_budget_gib=30)
+    assert any(f.startswith("fewer offloaded layers: --offload-layers 12") for f in shortfall(config, 524288, fixed, 1, H200))
+
+
+def test_plan_exits_3_when_it_does_not_fit_and_names_the_short_resource():
+    from genolong.cli import app
+
+    host = CliRunner().invoke(app, ["plan", "--seq", "512k", "--preset", "glm53-mini", "--host-budget-gib", "4"])
+    assert host.exit_code == 3, host.output
+    assert "does not fit: pinned host memory short" in host.output and "more host RAM" in host.output
+    gpu = CliRunner().invoke(app, ["plan", "--seq", "1M", "--preset", "glm-5.3-flash", "--host-budget-gib", "4096"])
+    assert gpu.exit_code == 3 and "does not fit: GPU memory short" in gpu.output and "--gpus" in gpu.output
+    cpu = CliRunner().invoke(app, ["plan", "--seq", "512k", "--device", "cpu", "--host-budget-gib", "20"])
+    assert cpu.exit_code == 3 and "does not fit: CPU RAM short" in cpu.output and "RAM" in cpu.output
+    fits = CliRunner().invoke(app, ["plan", "--seq", "4k", "--preset", "tiny", "--device", "cpu", "--host-budget-gib", "20"])
+    assert fits.exit_code == 0 and "fits" in fits.output
+
+
+def test_plan_batch_means_sequences_per_step_as_in_finetune():
+    from genolong.cli import app
+
+    def total(*args):
+        out = CliRunner().invoke(app, ["plan", "--seq", "32k", "--preset", "tiny", "--device", "cpu", *args]).output
+        return [line for line in out.splitlines() if "total" in line][0]
+
+    # 4 sequences in 4 micro-batches use the memory of one sequence; in 1 micro-batch, of four.
+    assert total("--batch", "4", "--grad-accum", "4") == total()
+    assert total("--batch", "4") != total()

@@ -97,3 +97,31 @@ def test_bf16_params_with_fp32_masters_resume_exactly(data, tmp_path):
     assert state["exp_avg.lm_head.weight"].dtype == torch.float32
     second = loop.train(loop.load_run_options(tmp_path / "b", stop_after=None))
     assert _losses(first + second) == _losses(straight)
+
+
+def test_more_steps_on_resume_are_kept_and_re_derive_the_schedule(data, tmp_path, capsys):
+    from genolong.train.optim import lr_at
+
+    run = tmp_path / "b"
+    loop.train(tiny_options(data, run, steps=4, seq_len=64, warmup=1, stop_after=2))
+    options = loop.load_run_options(run, stop_after=1, progress=False)
+    options.steps = 6
+    records = loop.train(options)
+    # Step 3 of a 6-step run, not of the 4-step run the checkpoint came from.
+    assert records[0]["lr"] == lr_at(2, options.lr, 1, 6, options.min_lr_ratio) != lr_at(2, options.lr, 1, 4, options.min_lr_ratio)
+    err = capsys.readouterr().err
+    assert "--steps 6 (the run had 4), from step 2 on" in err and "schedule is re-derived for 6 steps" in err
+    assert json.loads((run / ck.OPTIONS_FILE).read_text())["steps"] == 6
+    assert loop.load_run_options(run).steps == 6  # the next resume keeps the new length
+
+    fewer = loop.load_run_options(run, progress=False)
+    fewer.steps = 2
+    with pytest.raises(GenolongError, match=r"--steps 2 is below the step the run has reached \(3\); give --steps 3 or more"):
+        loop.train(fewer)
+
+
+def test_resuming_a_finished_run_says_so(data, tmp_path, capsys):
+    run = tmp_path / "done"
+    loop.train(tiny_options(data, run, steps=1, seq_len=64))
+    assert loop.train(loop.load_run_options(run, stop_after=None, progress=False)) == []
+    assert "has finished all 1 steps; nothing to do" in capsys.readouterr().err

@@ -1,0 +1,330 @@
+"""Single GLM-5.3-Flash layers at the real model's shapes on one GPU, and what a 64-GPU 1M-token step
+would cost per GPU from them.
+
+    source .device/activate.sh && python benchmarks/bench_real_layers.py --out $OUT/real_layers --budget-s 200
+
+Random weights (normal, std 0.02), bf16, every hot op on its fused kernel (policy "fused"),
+forward + backward at 64k and 128k tokens (B = 1):
+
+| cell | what |
+|---|---|
+| kda64 / kda8 | a KDA layer, 64 heads x 128 (the model) / 8 heads (what tp=8 leaves per GPU) |
+| dsa64 / dsa8 | a DSA layer, 64 heads, its 32-head indexer / 8 heads, a 4-head indexer (tp=8) |
+| moe288 | the MoE block: 288 experts top-8, expert width 2048, one shared expert |
+| moe36 | expert parallelism over 8 GPUs: 36 local experts receiving T (token, expert) pairs (T/8 tokens top-8) |
+| mlp | the dense SwiGLU MLP of layers 0-2 at tp=8 (intermediate 12288 / 8) |
+| mhc | both mHC sublayers of a layer (weights, Sinkhorn, collapse, expand), hidden 4096; eager and compiled |
+| sdpa-kda64 / sdpa-kda8 | dense causal SDPA (FlashAttention) at the KDA heads: 64 or 8 heads x 128 |
+| sdpa-dsa64 / sdpa-dsa8 | dense causal SDPA at the DSA heads: 64 or 8 heads, q/k 256, v 256 |
+| idx-cp8-r7 | the 4-head indexer of one context-parallel rank of a 1M sequence: 128k queries at offset 7 x 128k (the last rank, the most pools) against the whole sequence's 256k pools |
+
+Per cell: forward ms (with grad enabled, as training runs it), forward + backward ms, TFLOP/s of
+forward + backward, peak GiB above the inputs and weights. FLOPs (genolong/train/flops.py,
+matmul = 2mkn): layers at 3x their forward (the indexer 1x: no gradient); causal SDPA
+fwd + bwd = 3.5 x T^2 H (Dqk + Dv) (forward T^2 H (Dqk + Dv) for the causal half, backward
+2.5x forward, FlashAttention's convention). A cell that runs out of memory, or would start
+after the time budget, is recorded as not run, with the reason. Results append to
+<out>/real_layers.jsonl as they are measured; the table and the estimate print last.
+
+The per-GPU step estimate for one 1M-token sequence on 64 GPUs (cp = 8 x tp = 8, ep = 8 for the
+MoE) is compute only (no all-to-all, all-reduce or expert dispatch; perfect balance), with
+full-layer recompute (one more forward per layer):
+  34 x (kda8 fwd+bwd + fwd) + 11 x (dsa8 fwd+bwd + fwd + 2 x (idx-cp8-r7 - the 4-head indexer
+  at 128k)) + 42 x (moe36 fwd+bwd + fwd) + 3 x (mlp fwd+bwd + fwd) + 45 x (mhc fwd+bwd + fwd),
+all at 128k tokens per GPU (each cp rank holds 128k tokens; KDA's head split gives each GPU 1
+head over 1M tokens, the same work as 8 heads over 128k). The LM head and the optimizer are left
+out (small at 64-way sharding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import measure  # noqa: E402
+
+import genolong.kernels as kernels  # noqa: E402
+from genolong.model import ops  # noqa: E402
+from genolong.model.dsa import DSAAttention  # noqa: E402
+from genolong.model.kda import KimiDeltaAttention  # noqa: E402
+from genolong.model.mhc import HyperConnection  # noqa: E402
+from genolong.model.mlp import DenseMLP  # noqa: E402
+from genolong.model.model import keeps_fp32  # noqa: E402
+from genolong.model.moe import MoE  # noqa: E402
+from genolong.model.presets import glm53_flash  # noqa: E402
+from genolong.train import flops  # noqa: E402
+
+DEV = "cuda"
+SIZES = {"64k": 65536, "128k": 131072}
+K128 = 131072
+
+
+def init_(build) -> torch.nn.Module:
+    """build() on the GPU (the 288-expert MoE is 29 GB in fp32: no host copy), random weights
+    (std 0.02), cast to bf16 except the parameters the model keeps in fp32."""
+    with torch.device(DEV):
+        module = build()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.02)
+            if not keeps_fp32("." + name):
+                p.data = p.data.to(torch.bfloat16)
+    torch.cuda.empty_cache()  # the fp32 originals
+    return module
+
+
+def config(tp: int = 1, experts: int = 288, top_k: int = 8):
+    """GLM-5.3-Flash with the head counts one GPU holds at tensor parallelism `tp`."""
+    c = glm53_flash(num_layers=4)
+    ix = dataclasses.replace(c.dsa.indexer, n_heads=c.dsa.indexer.n_heads // tp)
+    return c.replace(
+        kda=dataclasses.replace(c.kda, num_heads=c.kda.num_heads // tp),
+        dsa=dataclasses.replace(c.dsa, num_heads=c.dsa.num_heads // tp, indexer=ix),
+        moe=dataclasses.replace(c.moe, num_experts=experts, top_k=top_k),
+        dense_mlp=dataclasses.replace(c.dense_mlp, intermediate_size=c.dense_mlp.intermediate_size // tp),
+    )
+
+
+def fwd_bwd(module, x, pick=lambda out: out):
+    def fwd():
+        return pick(module(x))
+
+    def both():
+        x.grad = None
+        out = fwd()
+        out.backward(torch.ones_like(out))
+
+    return fwd, both
+
+
+def sdpa(heads: int, dqk: int, dv: int, seq: int):
+    q, k = (torch.randn(1, heads, seq, dqk, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, heads, seq, dv, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+
+    def fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both():
+        out = fwd()
+        out.backward(torch.ones_like(out))
+
+    return fwd, both, 3.5 * seq * seq * heads * (dqk + dv)
+
+
+class Run:
+    def __init__(self, out: Path, budget_s: float):
+        self.rows: list[dict] = []
+        self.log = (out / "real_layers.jsonl").open("a")
+        self.start = time.monotonic()
+        self.budget_s = budget_s
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.start)
+
+    def cell(self, name: str, size: str, make, reps: int):
+        """make() -> (fwd, fwd_bwd, flops or None); records one row (or why it did not run)."""
+        row = {"cell": name, "size": size}
+        if self.left() < 10:
+            row["not_run"] = "time budget"
+        else:
+            try:
+                fwd, both, work = make()
+                fwd_ms, _ = measure(fwd, reps) if fwd is not None else (None, None)
+                ms, peak = measure(both, reps)
+                row.update(fwd_ms=None if fwd_ms is None else round(fwd_ms, 2), ms=round(ms, 2), peak_gib=round(peak, 2))
+                if work:
+                    row.update(tflops=round(work / ms / 1e9, 1))
+            except torch.cuda.OutOfMemoryError as why:
+                row["not_run"] = "out of memory: " + str(why).splitlines()[0][:120]
+            except Exception as why:  # a kernel that failed is a result too
+                row["not_run"] = f"{type(why).__name__}: {str(why)[:200]}"
+                traceback.print_exc()
+        torch.cuda.empty_cache()
+        self.rows.append(row)
+        self.log.write(json.dumps(row) + "\n")
+        self.log.flush()
+        print(json.dumps(row), f"[{self.left():.0f} s left]", flush=True)
+        return row
+
+    def ms(self, name: str, size: str = "128k", key: str = "ms"):
+        for r in self.rows:
+            if r["cell"] == name and r["size"] == size and r.get(key) is not None:
+                return r[key]
+        return None
+
+
+def layer_cells(run: Run, size: str, reps: int, tp: int) -> None:
+    seq = SIZES[size]
+    c = config(tp)
+    heads = c.kda.num_heads
+
+    def kda(c=c):
+        layer = init_(lambda: KimiDeltaAttention(c.hidden, c.kda, c.rms_eps, 0))
+        x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        f, b = fwd_bwd(layer, x)
+        return f, b, 3 * flops.kda_forward(c, seq)
+
+    run.cell(f"kda{heads}", size, kda, reps)
+    run.cell(f"sdpa-kda{heads}", size, lambda c=c: sdpa(c.kda.num_heads, c.kda.head_dim, c.kda.head_dim, seq), reps)
+
+    def dsa(c=c):
+        layer = init_(lambda: DSAAttention(c.hidden, c.dsa, c.rms_eps, 3, has_indexer=True))
+        x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        f, b = fwd_bwd(layer, x, lambda o: o[0])
+        attn, index = flops.dsa_forward(c, seq)
+        return f, b, 3 * attn + index
+
+    run.cell(f"dsa{c.dsa.num_heads}", size, dsa, reps)
+    run.cell(f"sdpa-dsa{c.dsa.num_heads}", size,
+             lambda c=c: sdpa(c.dsa.num_heads, c.dsa.qk_head_dim, c.dsa.v_head_dim, seq), reps)
+
+    def indexer(c=c, offset=0, n_pools=seq // c.dsa.indexer.kpool):
+        ix = c.dsa.indexer
+        fused = ops.implementations("dsa_indexer_topk")["triton_fused_select"]
+        q = (torch.randn(1, seq, ix.n_heads, ix.head_dim, device=DEV) * 0.3 + 0.2).bfloat16()
+        keys = (torch.randn(1, n_pools, ix.head_dim, device=DEV) * 0.3 + 0.2).bfloat16()
+        w = torch.randn(1, seq, ix.n_heads, device=DEV) * ix.n_heads**-0.5
+        kw = dict(kpool=ix.kpool, topk_pools=ix.topk_pools, always_select_tail=True, softmax_scale=ix.head_dim**-0.5)
+        return None, lambda: fused(q, keys, w, query_offset=offset, **kw), None
+
+    run.cell(f"indexer{c.dsa.indexer.n_heads}", size, indexer, reps)
+    if tp == 8 and size == "128k":
+        run.cell("idx-cp8-r7", size, lambda c=c: indexer(c, offset=7 * K128, n_pools=8 * K128 // c.dsa.indexer.kpool), 2)
+
+
+def moe_cell(run: Run, size: str, reps: int, local_experts: int) -> None:
+    seq = SIZES[size]
+    c = config(8 if local_experts < 288 else 1, experts=local_experts)
+    # Expert parallelism over 288 / local_experts GPUs: each receives, on balanced routing, as many
+    # (token, expert) pairs as T tokens top-8 would make on one GPU divided by the group size.
+    tokens = seq * local_experts // 288
+
+    def moe():
+        block = init_(lambda: MoE(c.hidden, c.moe, 3))
+        x = torch.randn(1, tokens, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        f, b = fwd_bwd(block, x)
+        return f, b, 3 * flops.mlp_forward(c, 3, tokens)
+
+    run.cell(f"moe{local_experts}", size, moe, reps)
+
+
+def mlp_cell(run: Run, size: str, reps: int) -> None:
+    seq = SIZES[size]
+    c = config(8)
+
+    def mlp():
+        block = init_(lambda: DenseMLP(c.hidden, c.dense_mlp.intermediate_size, c.dense_mlp.swiglu_limit))
+        x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        f, b = fwd_bwd(block, x)
+        return f, b, 3 * flops.mlp_forward(c, 0, seq)
+
+    run.cell("mlp", size, mlp, reps)
+
+
+def mhc_cells(run: Run, size: str, reps: int, compiled: bool) -> None:
+    from genolong.train.compile import apply_compile
+
+    seq = SIZES[size]
+    c = config(8)
+
+    def mhc():
+        hcs = [init_(lambda: HyperConnection(c.hidden, c.mhc, c.rms_eps)) for _ in range(2)]
+        if compiled:
+            for hc in hcs:
+                apply_compile(hc)
+        streams = torch.randn(1, seq, c.mhc.num_streams, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        out = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16)
+
+        def fwd():
+            s = streams
+            for hc in hcs:  # the layer's two sublayers, the sublayer itself replaced by a fixed output
+                post, comb, x = hc(s)
+                s = hc.expand(post, comb, x * out, s)
+            return s
+
+        def both():
+            streams.grad = None
+            s = fwd()
+            s.backward(torch.ones_like(s))
+
+        both()  # compiles (when compiled) outside the timing
+        return fwd, both, 3 * flops.mhc_forward(c, seq)
+
+    run.cell("mhc compiled" if compiled else "mhc", size, mhc, reps)
+
+
+def estimate(run: Run) -> list[str]:
+    """The per-GPU step of a 64-GPU 1M-token run (module docstring), from the 128k cells."""
+    def both(name):
+        total, fwd = run.ms(name), run.ms(name, key="fwd_ms")
+        return None if total is None or fwd is None else total + fwd  # + fwd: full-layer recompute
+
+    kda, dsa, moe, mlp = both("kda8"), both("dsa8"), both("moe36"), both("mlp")
+    mhc = both("mhc compiled") or both("mhc")
+    idx_r7, idx_128k = run.ms("idx-cp8-r7"), run.ms("indexer4")
+    parts = {"34 KDA": kda, "11 DSA": dsa, "42 MoE": moe, "3 dense MLP": mlp, "45 mHC pairs": mhc, "11 indexer beyond 128k": None}
+    if idx_r7 is not None and idx_128k is not None:
+        parts["11 indexer beyond 128k"] = 2 * (idx_r7 - idx_128k)  # forward and the recompute's forward
+    counts = {"34 KDA": 34, "11 DSA": 11, "42 MoE": 42, "3 dense MLP": 3, "45 mHC pairs": 45, "11 indexer beyond 128k": 11}
+    lines = ["", "Per-GPU step estimate, 1M tokens on 64 GPUs (cp=8 x tp=8, ep=8), compute only, full recompute:"]
+    total, missing = 0.0, []
+    for name, ms in parts.items():
+        if ms is None:
+            missing.append(name)
+            continue
+        total += counts[name] * ms
+        lines.append(f"  {name:<24} {counts[name]:>3} x {ms:9.1f} ms = {counts[name] * ms / 1000:7.2f} s")
+    lines.append(f"  total                                        {total / 1000:7.2f} s"
+                 + (f"  (missing: {', '.join(missing)})" if missing else ""))
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/real_layers"))
+    ap.add_argument("--sizes", default="128k,64k", help="the first size gets every cell before the next starts")
+    ap.add_argument("--budget-s", type=float, default=200)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled mHC cell")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    kernels.load()
+    ops.use("fused")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {kernels.available()}", flush=True)
+    run = Run(args.out, args.budget_s)
+    for size in [s for s in args.sizes.split(",") if s]:
+        reps = 2 if SIZES[size] >= K128 else 3
+        # What the 64-GPU estimate needs first (tp=8 shapes), then the whole model's heads.
+        layer_cells(run, size, reps, tp=8)
+        moe_cell(run, size, reps, local_experts=36)
+        mlp_cell(run, size, reps)
+        mhc_cells(run, size, reps, compiled=False)
+        if not args.no_compile:
+            mhc_cells(run, size, reps, compiled=True)
+        layer_cells(run, size, reps, tp=1)
+        moe_cell(run, size, reps, local_experts=288)
+    print(f"\n{'cell':<14} {'size':>5} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | {'TFLOP/s':>7} | {'peak GiB':>8} | note")
+    for r in run.rows:
+        cols = [r.get(k) for k in ("fwd_ms", "ms", "tflops", "peak_gib")]
+        cols = ["-" if v is None else f"{v}" for v in cols]
+        print(f"{r['cell']:<14} {r['size']:>5} | {cols[0]:>8} | {cols[1]:>10} | {cols[2]:>7} | {cols[3]:>8} | {r.get('not_run', '')}")
+    lines = estimate(run)
+    print("\n".join(lines))
+    (args.out / "estimate.txt").write_text("\n".join(lines) + "\n")
+    print("kernel audit:", ops.audit_summary())
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"total {time.time() - t0:.0f} s")

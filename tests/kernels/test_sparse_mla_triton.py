@@ -1,0 +1,244 @@
+"""The few-head Triton sparse-MLA kernels on the CPU: run in Triton's interpreter against the
+model's fp64 reference (outputs, lse and both gradients), and built for sm_90 without a GPU.
+
+The interpreter has no bf16 (it returns garbage), so 16-bit cases use fp16; fp32 cases run the
+kernels' exact-fp32 products and must agree to ~1e-6. Outputs start as NaN (POISON), so an
+element no program wrote fails the comparison.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from genolong.errors import GenolongError
+from genolong.kernels import sparse_mla
+from genolong.model.ops import KernelUnsupported
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+# (name, case): selections are "random" (any key in [0, S) or -1, duplicates allowed, one empty
+# row) or "pools" (the indexer reference's pool-structured, causal selections, kpool 4 + tail).
+CASES = {
+    "fp32 random, 2 batches, atomic": dict(batch=2, seq=48, heads=4, dim=64, sel="random", width=37, dtype="float32", mode="atomic"),
+    "fp32 random, kv longer than q (CP), key chunks of 16, 4 query chunks":
+        dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="keychunk",
+             key_chunk=16, query_chunks=4),
+    "fp32 80 heads: head blocks 64+16, backward 32+32+16":
+        dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11, dtype="float32", mode="atomic",
+             configs={"fwd": [64, 32, 8, 5], "bwd": [32, 16, 8, 5]}),
+    # On the GPU, the first call times candidate configs on its own rows, adding into dkv: the
+    # trials (run here twice per kernel, as timed) must leave no trace in the results.
+    "fp32 config trials, atomic": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32", mode="atomic", trials=True),
+    "fp32 config trials, key chunks": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32", mode="keychunk",
+                                           key_chunk=8, trials=True),
+    "fp32 one head, two slots": dict(batch=1, seq=16, heads=1, dim=16, sel="random", width=2, dtype="float32", mode="atomic"),
+    "fp16 pools, 8 heads x 512, key chunks of 32":
+        dict(batch=1, seq=96, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="keychunk", key_chunk=32,
+             configs={"fwd": [16, 64, 8, 5], "bwd": [16, 32, 8, 5]}),
+    "fp16 pools, 16 heads x 512, atomic": dict(batch=1, seq=96, heads=16, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="atomic"),
+    "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8),
+}
+TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
+
+_INTERPRETED = r"""
+import json, sys
+import numpy as np
+import torch
+import triton.runtime.interpreter as interp
+
+# Triton 3.6's interpreter turns a scalar into an index with int() of a 1-element array, which
+# numpy >= 2.4 refuses; the kernels' run-time loop bounds need it.
+_patch = interp._patch_lang_tensor
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+interp._patch_lang_tensor = _patched
+
+from genolong.kernels import _common, sparse_mla
+from genolong.kernels.sparse_mla_triton import Config
+from genolong.model.dsa import sparse_attention_reference
+from genolong.model.indexer import indexer_topk_reference
+
+_common.POISON = True
+_pick = sparse_mla.pick
+
+def pick_with_trials(kind, q, width, trial):
+    # What pick() does on the GPU, minus the clock: every trial runs (twice), then "timed".
+    config = sparse_mla.candidates(kind, q.shape[-2], q.shape[-1])[0]
+    for _ in range(2):
+        trial(config)
+    return config, True
+
+def selection(c, g):
+    batch, seq, kv_len = c["batch"], c["seq"], c.get("kv_len", c["seq"])
+    if c["sel"] == "random":
+        idx = torch.randint(-1, kv_len, (batch, seq, c["width"]), generator=g, dtype=torch.int32)
+        idx[0, seq // 2] = -1
+        return idx
+    iq, keys, w = torch.randn(batch, seq, 2, 16, generator=g), torch.randn(batch, seq // 4, 16, generator=g), torch.rand(batch, seq, 2, generator=g)
+    return indexer_topk_reference(iq, keys, w, kpool=4, topk_pools=c["topk_pools"], always_select_tail=True, softmax_scale=0.25)
+
+def lse_reference(q, kv, idx, scale):
+    rows = kv.gather(1, idx.clamp(min=0).long().flatten(1)[..., None].expand(-1, -1, kv.shape[-1])).view(*idx.shape, -1)
+    s = torch.einsum("bthd,btwd->bthw", q, rows) * scale
+    return s.masked_fill((idx < 0)[:, :, None], float("-inf")).logsumexp(-1)
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
+
+for name, c in json.loads(sys.argv[1]).items():
+    g = torch.Generator().manual_seed(len(name))
+    dtype = getattr(torch, c["dtype"])
+    kv_len, dim = c.get("kv_len", c["seq"]), c["dim"]
+    q = torch.randn(c["batch"], c["seq"], c["heads"], dim, generator=g, dtype=torch.float64)
+    kv = torch.randn(c["batch"], kv_len, dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    idx = selection(c, g)
+    scale = dim ** -0.5
+    configs = {k: Config(*v) for k, v in c.get("configs", {}).items()}
+    sparse_mla.pick = pick_with_trials if c.get("trials") else _pick
+    width = idx.shape[-1]
+    n_chunks = -(-kv_len // c.get("key_chunk", sparse_mla.KEY_CHUNK))
+    budget = sparse_mla.backward_row_bytes(width, c["heads"], dim, n_chunks) * -(-c["batch"] * c["seq"] // c.get("query_chunks", 1))
+
+    def run(fn, dt):
+        a, b = q.to(dt).clone().requires_grad_(), kv.to(dt).clone().requires_grad_()
+        out, lse = fn(a, b)
+        out.backward(dout.to(dt))
+        return out.detach(), lse, a.grad, b.grad
+
+    ref = run(lambda a, b: (sparse_attention_reference(a, b, idx, scale=scale), lse_reference(a.detach(), b.detach(), idx, scale)), torch.float64)
+    got = run(lambda a, b: sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True, dkv_mode=c["mode"],
+                                                  key_chunk=c.get("key_chunk", sparse_mla.KEY_CHUNK), budget_bytes=budget,
+                                                  configs=configs), dtype)
+    finite = torch.isfinite(ref[1])
+    lse_err = (got[1][finite].double() - ref[1][finite]).abs().max().item() if finite.any() else 0.0
+    print("RESULT", json.dumps(dict(name=name, out=rel(got[0], ref[0]), dq=rel(got[2], ref[2]), dkv=rel(got[3], ref[3]),
+                                    lse=lse_err, lse_empty=bool((got[1][~finite] == float("-inf")).all()),
+                                    empty_rows=int((~finite).sum()), out_dtype=str(got[0].dtype), lse_dtype=str(got[1].dtype))), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600)
+    results = {r["name"]: r for r in (json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
+    assert len(results) == len(CASES), run.stdout[-2000:] + run.stderr[-4000:]
+    return results
+
+
+@needs_triton
+@pytest.mark.slow  # one interpreter process for all cases: ~25 s of CPU
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpreted_kernels_match_the_reference(interpreted, name):
+    r, tol = interpreted[name], TOLERANCE[CASES[name]["dtype"]]
+    assert r["out_dtype"] == f"torch.{CASES[name]['dtype']}" and r["lse_dtype"] == "torch.float32"
+    for field in ("out", "dq", "dkv"):
+        assert r[field] <= tol, (field, r)
+    assert r["lse"] <= 10 * tol, r  # absolute, natural log
+    assert r["lse_empty"], r  # rows with no valid slot: lse -inf
+
+
+def test_cases_cover_empty_rows_and_partial_blocks():
+    # The random selections have an all -1 row; the pool selections' early queries have fewer keys than slots.
+    assert any(c["sel"] == "random" for c in CASES.values()) and any(c.get("topk_pools") == 512 for c in CASES.values())
+    assert any(c.get("kv_len", c["seq"]) > c["seq"] for c in CASES.values())
+
+
+def test_declines_what_it_cannot_run():
+    q, kv, idx = torch.zeros(1, 8, 4, 512), torch.zeros(1, 8, 512), torch.zeros(1, 8, 3, dtype=torch.int32)
+    with pytest.raises(KernelUnsupported, match="CUDA"):
+        sparse_mla.dsa_sparse_attention(q, kv, idx, scale=0.1)
+    with pytest.raises(KernelUnsupported, match="latent width"):
+        sparse_mla.check_supported(torch.zeros(1, 8, 4, 576), torch.zeros(1, 8, 576), idx)
+    with pytest.raises(KernelUnsupported, match="indices must be torch.int32"):
+        sparse_mla.check_supported(q, kv, idx.long())
+    with pytest.raises(KernelUnsupported, match="kv must be torch.float32"):
+        sparse_mla.check_supported(q, kv.half(), idx)
+    with pytest.raises(KernelUnsupported, match="mismatch"):
+        sparse_mla.check_supported(q, torch.zeros(2, 8, 512), idx)
+
+
+def test_can_be_switched_off_for_the_tilelang_kernel(monkeypatch):
+    monkeypatch.setenv(sparse_mla.ENV_SWITCH, "off")
+    with pytest.raises(KernelUnsupported, match="GENOLONG_SPARSE_MLA=off"):
+        sparse_mla.dsa_sparse_attention(torch.zeros(1, 8, 4, 512), torch.zeros(1, 8, 512), torch.zeros(1, 8, 3, dtype=torch.int32), scale=0.1)
+
+
+def test_bad_dkv_mode_is_a_one_line_error(monkeypatch):
+    args = (torch.zeros(1, 8, 4, 64), torch.zeros(1, 8, 64), torch.zeros(1, 8, 3, dtype=torch.int32))
+    with pytest.raises(GenolongError, match="dkv_mode 'dense' is unknown; use one of atomic, keychunk"):
+        sparse_mla.sparse_mla(*args, scale=0.1, dkv_mode="dense")
+    monkeypatch.setenv(sparse_mla.ENV_DKV_MODE, "dense")
+    monkeypatch.setattr(sparse_mla._common, "require_cuda", lambda *t: None)
+    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_DKV='dense'"):
+        sparse_mla.dsa_sparse_attention(*args, scale=0.1)
+
+
+def test_key_chunked_backward_memory_follows_the_budget():
+    # 1M tokens, 4 heads, W = 2051: the sort, bounds and fp32 dq of one query chunk fit 1 GiB,
+    # and a chunk is still tens of thousands of rows (few launches).
+    n_chunks = (1 << 20) // sparse_mla.KEY_CHUNK
+    rows = sparse_mla.backward_rows_per_chunk(2051, 4, 512, n_chunks, sparse_mla.QUERY_BUDGET_BYTES)
+    per_row = 2051 * 12 + (n_chunks + 1) * 12 + 4 * 512 * 4
+    assert rows * per_row <= sparse_mla.QUERY_BUDGET_BYTES and rows >= 20000
+
+
+def test_candidates_fit_the_sm90_limits_chosen_offline():
+    for heads in (4, 8, 16, 64):
+        for kind in ("fwd", "bwd"):
+            found = sparse_mla.candidates(kind, heads, 512)
+            assert found and len(set(found)) == len(found)
+            assert all(c.head_block <= (64 if kind == "fwd" else 32) and c.head_block >= min(16, heads) for c in found)
+        assert len(sparse_mla.candidates("fwd", heads, 64)) == 1
+
+
+# ----------------------------------------------------------------------------- sm_90 builds
+
+
+def _ptxas_report(kernel) -> tuple[int, int]:
+    """(registers, spill-store bytes) from ptxas -v on the kernel's PTX."""
+    import re
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    return int(re.search(r"Used (\d+) registers", log).group(1)), int(re.search(r"(\d+) bytes spill stores", log).group(1))
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", [4, 8, 16, 64])  # glm53-mini, GLM-5.3-Flash at TP 8 / 4, whole
+def test_kernels_compile_for_sm90_without_spills(heads):
+    # Every candidate the first call may time, built as the JIT specialises it (aligned pointers;
+    # the lengths and head count are not specialised): tensor cores, asynchronous gathers, no
+    # spills, and shared memory within what an H200 block may have.
+    from genolong.kernels import aot
+    from genolong.kernels import sparse_mla_triton as k
+
+    builds = {}
+    for kind in ("fwd", "bwd"):
+        for config in sparse_mla.candidates(kind, heads, 512):
+            builds[f"{kind} {config.label()}"] = k.aot_compile(kind, heads, 512, config)
+            if kind == "bwd":
+                builds[f"bwd ranged {config.label()}"] = k.aot_compile(kind, heads, 512, config, ranged=True)
+    for name, kernel in builds.items():
+        ptx = kernel.asm["ptx"]
+        assert ("wgmma" if heads == 64 and name == "fwd HB64/BN32/w8/s5" else "mma.sync") in ptx, name  # tensor cores
+        assert "cp.async" in ptx, name  # the gathered rows are copied asynchronously
+        assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, (name, kernel.metadata.shared)
+        regs, spills = _ptxas_report(kernel)
+        assert spills == 0, (name, regs, spills)
+    # dkv: one vectorised relaxed atomic per 4 columns, after the sum over the head block.
+    assert all("atom.global.gpu.relaxed.add.v4.f32" in kernel.asm["ptx"] for name, kernel in builds.items() if name.startswith("bwd"))

@@ -1,0 +1,74 @@
+"""Run a function in N fresh processes joined in one gloo group, and collect what each returns.
+
+`run_ranks(fn, world_size, *args)` spawns world_size processes (spawn, not fork: no inherited
+threads or state), sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*), calls
+`fn(rank, world_size, *args)` in each and returns the results in rank order. A rank that
+raises fails the test with that rank's traceback; a rank that hangs is killed after `timeout`.
+`fn` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue):
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001  (the parent reports any failure with its traceback)
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, value = queue.get(timeout=timeout)
+            except queue_module.Empty:
+                missing = sorted(set(range(world_size)) - set(results))
+                errors.append(f"ranks {missing} did not finish within {timeout:.0f} s (a collective waiting for a rank that never came?)")
+                break
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
