@@ -4,17 +4,24 @@
    PyTorch references (same weights, bf16): the mean per-token losses must agree within 0.02 nats.
 2. Training runs through `genolong.train.loop.train` (the `genolong finetune` loop: full memory
    stack, fused kernels, expert balance at `--balance-rate`), `--steps` steps at `--seq` tokens,
-   `--lr` with `--warmup`: one run with genolong's init and, unless `--no-reference-head`, one
-   with the reference LM-head init (normal(0, 0.02), what genolong used before) for contrast.
+   `--lr` with `--warmup` (defaults: issue 10's failing setting, lr 1e-3, warmup 2): one run
+   with genolong's init and, unless `--no-reference-head` or over `--budget-s`, one with the
+   reference LM-head init (normal(0, 0.02), what genolong used before) for contrast.
 3. A table per run: step, loss, gradient norm, lr, the worst MoE layer's busiest expert / mean,
-   step time; a spike is a loss above 1.5x the lowest loss before it. Run directories
-   (metrics.jsonl, kernels.json) stay under `--out`; `summary.json` holds the verdicts.
+   step time; a spike is a loss above 1.5x the lowest loss before it. Exit 0 when genolong's
+   init run has no spike and finite losses and norms (below-uniform is reported, not required:
+   a few steps need not get there). Run directories
+   (metrics.jsonl, kernels.json) stay under `--out`; `summary.json` holds the verdicts and is
+   rewritten after each run, so a run cut short by a time limit keeps what finished.
+   No checkpoint is written (`--checkpoint` to write one): glm53-mini's model, fp32 master
+   weights and moments are ~16 GB of writes that say nothing about stability.
 
     source .device/activate.sh && python3 -m genolong prepare --fasta bundled --out /tmp/bundled && \
-        python3 benchmarks/check_from_scratch.py --data /tmp/bundled --out $OUT/scratch
+        python3 benchmarks/check_from_scratch.py --data /tmp/bundled --steps 8 --out $OUT/scratch
 
-Time on one H200 (glm53-mini, 32k): ~4 s per step, so 2 runs x 20 steps plus start-up and the
-check take about 4-5 minutes (`--budget-s` stops starting a run that would not finish).
+or the `scratch` stage of benchmarks/device/call.sh (`bash benchmarks/device/call.sh scratch:150`).
+Time on one H200 (glm53-mini, 32k): ~4 s per step (issue 10), so 8 steps, start-up and the
+kernel check should take under 2 minutes; the contrast run starts only if it fits `--budget-s`.
 """
 
 from __future__ import annotations
@@ -126,14 +133,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--preset", default="glm53-mini")
     p.add_argument("--seq", default="32k")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--balance-rate", type=float, default=1e-3)
     p.add_argument("--aux-loss-coeff", type=float, default=0.0)
     p.add_argument("--no-reference-head", action="store_true", help="skip the contrast run with the reference LM-head init")
+    p.add_argument("--checkpoint", action="store_true", help="write the runs' end-of-run checkpoints (~16 GB each for glm53-mini)")
     p.add_argument("--budget-s", type=float, default=540)
     args = p.parse_args(argv)
+    if not args.checkpoint:
+        loop._save = lambda *_args, **_kwargs: None
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,6 +156,7 @@ def main(argv=None) -> int:
         print("fused kernels disagree with the references: not measuring")
         return 1
     summary["runs"] = [run(args, "genolong_init", out)]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     per_run = time.monotonic() - start
     if not args.no_reference_head:
         if time.monotonic() - start + per_run > args.budget_s:
@@ -159,8 +170,14 @@ def main(argv=None) -> int:
     summary["elapsed_s"] = time.monotonic() - start
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     ours = summary["runs"][0]
-    ok = not ours["spikes"] and ours["last5_mean_loss"] < UNIFORM
-    print(f"\nverdict: genolong init {'PASSES' if ok else 'FAILS'} (no spike and below uniform); {summary['elapsed_s']:.0f} s")
+    # The verdict is the spike (and finiteness); a few steps need not reach below uniform yet, so
+    # that is reported beside it, not required.
+    ok = not ours["spikes"] and all(math.isfinite(x) for x in ours["losses"] + ours["grad_norms"])
+    below = ours["last5_mean_loss"] < UNIFORM
+    print(
+        f"\nverdict: genolong init {'PASSES' if ok else 'FAILS'} (no spike, all finite); last 5 steps "
+        f"{'below' if below else 'not yet below'} uniform; {summary['elapsed_s']:.0f} s"
+    )
     return 0 if ok else 1
 
 
