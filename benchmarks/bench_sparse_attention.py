@@ -1,15 +1,27 @@
 """DSA sparse attention, forward + backward, side by side on one GPU: genolong's few-head Triton
-kernel (each dkv mode) against megatron-core's padded TileLang kernel and dense causal SDPA.
+kernels (each forward / dkv mode) against megatron-core's padded TileLang kernel and dense causal SDPA.
 
-    python benchmarks/bench_sparse_attention.py --out runs/sparse       # < 5 min on a fresh H200
+    python benchmarks/bench_sparse_attention.py --out runs/sparse                   # < 5 min on a fresh H200
+    python benchmarks/bench_sparse_attention.py --preset iter2 --out runs/sparse2   # the grouped kernels' cells, < 4 min
+    python benchmarks/bench_sparse_attention.py --preset grouped-check --budget-s 160 --out runs/sparse2c  # parity + grouped vs default, < 200 s
 
-1. Parity (first, at 4096 tokens): the Triton kernel in each dkv mode against the fp32 reference
-   at 4, 16 and 64 heads: relative error of out, dq, dkv and the max abs error of lse.
-2. Timing, cells in priority order until the time budget is spent (each cell's cost is
-   estimated from the cells before it; what does not fit is listed as skipped): for each length
-   and head count, the Triton op (dkv "keychunk" and "atomic"), megatron-core's TileLang op
-   (genolong/kernels/dsa_sparse_tilelang.py, W 2051 padded to 2112, q/kv to 576, heads to 16),
-   and dense causal SDPA with the same heads, 128 wide. Plus forward-only cells at 128k.
+1. Parity (first, at 4096 tokens): every candidate launch config of each mode against the fp32
+   reference at 4, 16 and 64 heads: relative error of out, dq, dkv and the max abs error of lse.
+2. Timing, cells in priority order until the time budget is spent (each cell's cost is estimated
+   from the cells before it; what does not fit is listed as skipped). A cell is (length, heads,
+   implementation):
+   - `triton-keychunk`, `triton-atomic`: v1 (one program per query forward; dkv key-chunked / atomic);
+   - `triton-grouped`: the grouped forward and backward (one launch per key chunk, queries stacked);
+   - `triton-fwd`, `triton-grouped-fwd`: the forward alone (v1 / grouped);
+   - `megatron`, `megatron-fwd`: megatron-core's TileLang op (genolong/kernels/dsa_sparse_tilelang.py,
+     W 2051 padded to 2112, q/kv to 576, heads to 16), with backward / forward alone;
+   - `sdpa`: dense causal SDPA with the same heads, 128 wide;
+   - probes (what a pass costs, not results): `probe-grouped-bwd` / `probe-keychunk-bwd` the backward
+     alone (out and lse from one forward), `probe-grouped-bwd-nodkv` the grouped backward without
+     the dkv products and adds (wrong gradients: the share of the fp32 adds), `probe-pack` the
+     grouped passes' packing + sort + bounds of the whole selection (forward's and backward's key chunks).
+   Default cells: the plan below x `--impls` (+ forward-only cells at 128k x 4 heads); `--cells`
+   or `--preset` lists them explicitly.
 
 Selections: the fused indexer's on random inputs (bench_kernels' recipe), kpool 4, 512 pools +
 the tail: W = 2051; q, kv, dO random bf16. Times: median of CUDA-event-timed repeats after one
@@ -39,16 +51,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import SIZES, measure  # noqa: E402
 
 import genolong.kernels as kernels  # noqa: E402
-from genolong.kernels import sparse_mla  # noqa: E402
+from genolong.kernels import sparse_mla, sparse_mla_grouped  # noqa: E402
 from genolong.model import get_preset, ops  # noqa: E402
 from genolong.model.dsa import sparse_attention_reference  # noqa: E402
 
 DEV = "cuda"
 LATENT = 512
-IMPLS = ("triton-keychunk", "triton-atomic", "megatron", "sdpa")
+IMPLS = ("triton-keychunk", "triton-atomic", "triton-grouped", "megatron", "sdpa")
+FWD_IMPLS = ("triton-fwd", "triton-grouped-fwd", "megatron-fwd")
+PROBES = ("probe-grouped-bwd", "probe-grouped-bwd-nodkv", "probe-keychunk-bwd", "probe-pack")
+# impl -> (forward mode, dkv mode) of sparse_mla.sparse_mla
+TRITON_MODES = {"triton-keychunk": ("query", "keychunk"), "triton-atomic": ("query", "atomic"),
+                "triton-grouped": ("grouped", "grouped"), "triton-fwd": ("query", None), "triton-grouped-fwd": ("grouped", None)}
 # (size, heads) in priority order: the issue's targets first (4 heads, 128k), 512k last.
 PLAN = [("128k", 4), ("128k", 16), ("128k", 8), ("64k", 4), ("64k", 8), ("64k", 16), ("64k", 64),
         ("512k", 4), ("128k", 64), ("512k", 8), ("512k", 16)]
+# The second iteration's cells (2026-12): the grouped kernels beside v1 in the same run, probes
+# of where the grouped backward's time goes, one megatron cell for the ratio to the first run.
+PRESETS = {
+    "iter2": dict(parity_modes="grouped", cells=[
+        ("128k", 4, "triton-grouped"), ("128k", 4, "triton-grouped-fwd"), ("128k", 4, "triton-keychunk"), ("128k", 4, "triton-fwd"),
+        ("128k", 4, "probe-grouped-bwd"), ("128k", 4, "probe-grouped-bwd-nodkv"), ("128k", 4, "probe-pack"),
+        ("512k", 4, "triton-grouped"), ("512k", 4, "triton-keychunk"),
+        ("128k", 16, "triton-grouped"), ("128k", 16, "triton-keychunk"),
+        ("64k", 64, "triton-grouped"), ("64k", 64, "triton-atomic"), ("64k", 64, "triton-grouped-fwd"), ("64k", 64, "triton-fwd"),
+        ("512k", 4, "triton-grouped-fwd"), ("512k", 4, "triton-fwd"),
+        ("128k", 4, "megatron")]),
+    # The grouped passes' parity on the GPU and their time beside the default (v1 keychunk) at
+    # 128k for 4, 16 and 64 heads, then 512k at 4 heads: no TileLang, no probes (< 200 s cold).
+    "grouped-check": dict(parity_modes="grouped", cells=[
+        ("128k", 4, "triton-grouped"), ("128k", 4, "triton-keychunk"), ("128k", 16, "triton-grouped"),
+        ("128k", 16, "triton-keychunk"), ("128k", 64, "triton-grouped"), ("128k", 64, "triton-keychunk"),
+        ("512k", 4, "triton-grouped"), ("512k", 4, "triton-keychunk")]),
+}
 TILELANG_BUILD_S = 110  # a TileLang build of megatron's forward + backward for a new head count
 
 
@@ -63,11 +98,11 @@ def selection(seq: int) -> torch.Tensor:
 
 
 def sparse_fn(impl: str, scale: float):
-    if impl == "megatron":
+    if impl.startswith("megatron"):
         tilelang = ops.implementations("dsa_sparse_attention")["tilelang_sparse_mla"]
         return lambda q, kv, idx: tilelang(q, kv, idx, scale=scale)
-    mode = impl.removeprefix("triton-")
-    return lambda q, kv, idx: sparse_mla.sparse_mla(q, kv, idx, scale=scale, dkv_mode=mode)
+    fwd_mode, dkv_mode = TRITON_MODES[impl]
+    return lambda q, kv, idx: sparse_mla.sparse_mla(q, kv, idx, scale=scale, fwd_mode=fwd_mode, dkv_mode=dkv_mode or "atomic")
 
 
 def lse_reference(q, kv, idx, scale, rows=256):
@@ -79,9 +114,10 @@ def lse_reference(q, kv, idx, scale, rows=256):
     return torch.cat(out)
 
 
-def parity(scale: float, log) -> None:
-    """Every candidate launch config of each dkv mode against the fp32 reference (this also
-    compiles them all, so the timing cells below only time them)."""
+def parity(scale: float, log, modes: list[str]) -> None:
+    """Every candidate launch config of each dkv mode (with its forward: grouped with grouped,
+    v1's otherwise) against the fp32 reference; this also compiles them all, so the timing cells
+    below only time them."""
     seq = 4096
     idx = selection(seq)
     for heads in (4, 16, 64):
@@ -93,12 +129,15 @@ def parity(scale: float, log) -> None:
         ref = sparse_attention_reference(qf, kvf, idx, scale=scale)
         ref.backward(dout.float())
         lse_ref = lse_reference(q, kv, idx, scale)
-        fwd, bwd = sparse_mla.candidates("fwd", heads, LATENT), sparse_mla.candidates("bwd", heads, LATENT)
-        for mode in sparse_mla.DKV_MODES:
+        for mode in modes:
+            fwd_mode = "grouped" if mode == "grouped" else "query"
+            suffix = "_grouped" if mode == "grouped" else ""
+            fwd, bwd = sparse_mla.candidates("fwd" + suffix, heads, LATENT), sparse_mla.candidates("bwd" + suffix, heads, LATENT)
             for n in range(max(len(fwd), len(bwd))):
                 configs = {"fwd": fwd[min(n, len(fwd) - 1)], "bwd": bwd[min(n, len(bwd) - 1)]}
                 a, b = q.clone().requires_grad_(), kv.clone().requires_grad_()
-                out, lse = sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True, dkv_mode=mode, key_chunk=1024, configs=configs)
+                out, lse = sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True, dkv_mode=mode, fwd_mode=fwd_mode,
+                                                 key_chunk=1024, configs=configs)
                 out.backward(dout)
                 err = {name: ((x.float() - r).norm() / r.norm()).item() for name, x, r in
                        (("out", out, ref), ("dq", a.grad, qf.grad), ("dkv", b.grad, kvf.grad))}
@@ -128,22 +167,69 @@ def useful_tflop(impl: str, seq: int, heads: int, width: int, ms: float) -> floa
     return flops / (ms * 1e-3) / 1e12
 
 
+def make_step(impl: str, seq: int, heads: int, idx: torch.Tensor, scale: float):
+    """The callable one repeat of a cell runs (its inputs are made here and die with it)."""
+    if impl == "sdpa":
+        qs, ks, vs = (torch.randn(1, heads, seq, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        dsd = torch.randn(1, heads, seq, 128, device=DEV, dtype=torch.bfloat16)
+        return lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).backward(dsd)
+    if impl == "probe-pack":
+        group = sparse_mla.candidates("fwd_grouped", heads, LATENT)[0].query_group
+        flat = idx[0]
+        return lambda: [sparse_mla_grouped.pack(flat, group, seq, chunk) for chunk in (2 * sparse_mla.KEY_CHUNK, sparse_mla.KEY_CHUNK)]
+    q = torch.randn(1, seq, heads, LATENT, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(1, seq, LATENT, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(1, seq, heads, LATENT, device=DEV, dtype=torch.bfloat16)
+    if impl.startswith("probe-"):
+        with torch.no_grad():
+            out, lse = sparse_mla._forward(q.detach(), kv.detach(), idx, scale)
+        mode = "keychunk" if "keychunk" in impl else "grouped"
+        return lambda: sparse_mla._backward(q.detach(), kv.detach(), idx, out, lse, dout, scale, mode, sparse_mla.KEY_CHUNK,
+                                            sparse_mla.QUERY_BUDGET_BYTES, add_dkv="nodkv" not in impl)
+    fn = sparse_fn(impl, scale)
+    if impl.endswith("-fwd"):
+        def forward_only():
+            with torch.no_grad():
+                fn(q, kv, idx)
+        return forward_only
+
+    def step():
+        q.grad = kv.grad = None
+        fn(q, kv, idx).backward(dout)
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("runs/sparse"))
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting cells after this many seconds")
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--impls", default="triton-grouped,triton-keychunk,triton-atomic,megatron,sdpa")
     ap.add_argument("--plan", default="", help="size:heads,... instead of the default plan")
+    ap.add_argument("--cells", default="", help="size:heads:impl,... in priority order (instead of plan x impls)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a named list of cells and parity modes")
+    ap.add_argument("--parity-modes", default="atomic,keychunk,grouped", help="dkv modes whose configs the parity checks")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--tilelang-cached", default="", help="head counts whose TileLang builds are in the cache (no build time budgeted)")
     args = ap.parse_args()
     t_start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     kernels.load()
-    cfg = get_preset("glm53-mini")
-    scale = cfg.dsa.softmax_scale
-    impls = [i for i in args.impls.split(",") if i]
-    plan = [(s, int(h)) for s, h in (p.split(":") for p in args.plan.split(",") if p)] or PLAN
+    scale = get_preset("glm53-mini").dsa.softmax_scale
+    if args.preset:
+        cells = PRESETS[args.preset]["cells"]
+        parity_modes = PRESETS[args.preset]["parity_modes"].split(",")
+    else:
+        parity_modes = [m for m in args.parity_modes.split(",") if m]
+        if args.cells:
+            cells = [(s, int(h), i) for s, h, i in (c.split(":") for c in args.cells.split(",") if c)]
+        else:
+            impls = [i for i in args.impls.split(",") if i]
+            plan = [(s, int(h)) for s, h in (p.split(":") for p in args.plan.split(",") if p)] or PLAN
+            extra = [f"{i}-fwd" for i in ("triton", "megatron") if any(x.startswith(i) for x in impls)]
+            cells = [(s, h, i) for s, h in plan for i in impls + (extra if (s, h) == ("128k", 4) else [])]
+    unknown = {i for _, _, i in cells} - set(IMPLS + FWD_IMPLS + PROBES)
+    if unknown:
+        sys.exit(f"unknown implementations {sorted(unknown)}; known: {', '.join(IMPLS + FWD_IMPLS + PROBES)}")
     jsonl = (args.out / "bench.jsonl").open("a")
     rows = []
 
@@ -154,66 +240,47 @@ def main() -> None:
         print(row, flush=True)
         (args.out / "table.txt").write_text(render(rows))  # kept current, in case the run is stopped
 
-    log(dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__, packages=kernels.available(), scale=scale))
+    log(dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__, packages=kernels.available(), scale=scale,
+             cells=[f"{s}:{h}:{i}" for s, h, i in cells]))
     if not args.skip_parity:
-        parity(scale, log)
+        parity(scale, log, parity_modes)
     per_unit_ms: dict[tuple[str, int], float] = {}  # (impl, heads) -> ms per query (SDPA: per query^2)
     tilelang_built: set[int] = {int(h) for h in args.tilelang_cached.split(",") if h}
     current = None
-    for size, heads in plan:
+    for size, heads, impl in cells:
         seq = SIZES[size]
-        extra = [f"{i}-fwd" for i in ("triton", "megatron") if any(x.startswith(i) for x in impls)] if (size, heads) == ("128k", 4) else []
-        for impl in impls + extra:
-            left = args.budget_s - (time.time() - t_start)
-            reps = 3 if seq >= 262144 else 5
-            estimate = estimate_s(per_unit_ms, impl, seq, heads, reps) or 20.0
-            if impl.startswith("megatron") and heads not in tilelang_built:
-                estimate += TILELANG_BUILD_S
-            if estimate > left:
-                log(dict(kind="skipped", size=size, heads=heads, impl=impl, reason=f"estimated {estimate:.0f} s > {left:.0f} s left"))
-                continue
-            if current is None or current[0] != seq:
-                current = None
-                torch.cuda.empty_cache()
-                current = (seq, selection(seq))
-            idx = current[1]
-            width = idx.shape[-1]
-            torch.manual_seed(seq + heads)
-            try:
-                if impl == "sdpa":
-                    qs, ks, vs = (torch.randn(1, heads, seq, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-                    dsd = torch.randn(1, heads, seq, 128, device=DEV, dtype=torch.bfloat16)
-
-                    def step():
-                        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).backward(dsd)
-                else:
-                    q = torch.randn(1, seq, heads, LATENT, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-                    kv = torch.randn(1, seq, LATENT, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-                    dout = torch.randn(1, seq, heads, LATENT, device=DEV, dtype=torch.bfloat16)
-                    fn = sparse_fn("triton-keychunk" if impl == "triton-fwd" else impl.removesuffix("-fwd"), scale)
-                    if impl.endswith("-fwd"):
-                        def step():
-                            with torch.no_grad():
-                                fn(q, kv, idx)
-                    else:
-                        def step():
-                            q.grad = kv.grad = None
-                            fn(q, kv, idx).backward(dout)
-                ms, peak = measure(step, reps)
-                per_unit_ms[(impl, heads)] = ms / (seq**2 if impl == "sdpa" else seq)
-                if impl.startswith("megatron"):
-                    tilelang_built.add(heads)
-                row = dict(kind="time", size=size, heads=heads, impl=impl, ms=round(ms, 2), peak_gib=round(peak, 2))
-                if not impl.endswith("-fwd"):
-                    row["useful_tflops"] = round(useful_tflop(impl, seq, heads, width, ms), 1)
-                log(row)
-            except Exception as why:  # out of memory or a failing kernel: record it and go on
-                log(dict(kind="error", size=size, heads=heads, impl=impl, error=f"{type(why).__name__}: {str(why)[:300]}"))
-                if not isinstance(why, torch.cuda.OutOfMemoryError):
-                    traceback.print_exc()
-            finally:
-                q = kv = dout = qs = ks = vs = dsd = None
-                torch.cuda.empty_cache()
+        left = args.budget_s - (time.time() - t_start)
+        reps = 3 if seq >= 262144 else 5
+        estimate = estimate_s(per_unit_ms, impl, seq, heads, reps) or 20.0
+        if impl.startswith("megatron") and heads not in tilelang_built:
+            estimate += TILELANG_BUILD_S
+        if estimate > left:
+            log(dict(kind="skipped", size=size, heads=heads, impl=impl, reason=f"estimated {estimate:.0f} s > {left:.0f} s left"))
+            continue
+        if current is None or current[0] != seq:
+            current = None
+            torch.cuda.empty_cache()
+            current = (seq, selection(seq))
+        idx = current[1]
+        torch.manual_seed(seq + heads)
+        step = None
+        try:
+            step = make_step(impl, seq, heads, idx, scale)
+            ms, peak = measure(step, reps)
+            per_unit_ms[(impl, heads)] = ms / (seq**2 if impl == "sdpa" else seq)
+            if impl.startswith("megatron"):
+                tilelang_built.add(heads)
+            row = dict(kind="time", size=size, heads=heads, impl=impl, ms=round(ms, 2), peak_gib=round(peak, 2))
+            if impl in IMPLS:
+                row["useful_tflops"] = round(useful_tflop(impl, seq, heads, idx.shape[-1], ms), 1)
+            log(row)
+        except Exception as why:  # out of memory or a failing kernel: record it and go on
+            log(dict(kind="error", size=size, heads=heads, impl=impl, error=f"{type(why).__name__}: {str(why)[:300]}"))
+            if not isinstance(why, torch.cuda.OutOfMemoryError):
+                traceback.print_exc()
+        finally:
+            step = None
+            torch.cuda.empty_cache()
     log(dict(kind="configs", chosen=sparse_mla.chosen_configs()))
     print("\n" + render(rows))
     print(f"total {time.time() - t_start:.0f} s")
@@ -227,8 +294,7 @@ def render(rows: list[dict]) -> str:
                          f"lse {r['lse_abs']:.2e}  {'ok' if r['ok'] else 'FAILED (> 1e-2)'}")
     cells = {(r["size"], r["heads"], r["impl"]): r for r in rows if r["kind"] in ("time", "error", "skipped")}
     keys = sorted({(s, h) for s, h, _ in cells}, key=lambda k: (SIZES[k[0]], k[1]))
-    lines.append("")
-    lines.append("size | heads | " + " | ".join(f"{i} ms (TFLOP/s) GiB" for i in IMPLS) + " | best Triton vs megatron | fwd only: Triton / megatron ms")
+    present = [i for i in IMPLS + FWD_IMPLS + PROBES if any(c[2] == i for c in cells)]
 
     def show(r):
         if r is None:
@@ -238,13 +304,16 @@ def render(rows: list[dict]) -> str:
         tf = f" ({r['useful_tflops']:.0f})" if "useful_tflops" in r else ""
         return f"{r['ms']:.1f}{tf} {r['peak_gib']:.1f}"
 
+    lines.append("")
+    lines.append("ms (useful TFLOP/s) peak GiB; *-fwd: forward alone; probe-*: one pass or stage alone (not a result)")
+    lines.append("size | heads | " + " | ".join(present) + " | grouped vs keychunk | best Triton vs megatron")
     for size, heads in keys:
-        got = {i: cells.get((size, heads, i)) for i in IMPLS + ("triton-fwd", "megatron-fwd")}
+        got = {i: cells.get((size, heads, i)) for i in present}
         ms = {i: r["ms"] for i, r in got.items() if r and r["kind"] == "time"}
-        best = min((ms[i] for i in ("triton-keychunk", "triton-atomic") if i in ms), default=None)
-        speedup = f"{ms['megatron'] / best:.2f}x" if best and "megatron" in ms else "-"
-        fwd = f"{ms.get('triton-fwd', '-')} / {ms.get('megatron-fwd', '-')}" if ("triton-fwd" in ms or "megatron-fwd" in ms) else "-"
-        lines.append(f"{size} | {heads} | " + " | ".join(show(got[i]) for i in IMPLS) + f" | {speedup} | {fwd}")
+        vs_v1 = f"{ms['triton-keychunk'] / ms['triton-grouped']:.2f}x" if {"triton-keychunk", "triton-grouped"} <= ms.keys() else "-"
+        best = min((ms[i] for i in ("triton-keychunk", "triton-atomic", "triton-grouped") if i in ms), default=None)
+        vs_megatron = f"{ms['megatron'] / best:.2f}x" if best and "megatron" in ms else "-"
+        lines.append(f"{size} | {heads} | " + " | ".join(show(got[i]) for i in present) + f" | {vs_v1} | {vs_megatron}")
     skipped = [f"{r['size']}/{r['heads']}/{r['impl']}" for r in rows if r["kind"] == "skipped"]
     if skipped:
         lines.append(f"\nskipped (time budget): {', '.join(skipped)}")

@@ -15,6 +15,14 @@ dkv, two ways (`dkv_mode`):
   byte budget (the sort, the chunk ranges and the fp32 dq of a chunk). With one key chunk
   (S <= key_chunk) it is the atomic pass.
 
+- "grouped" (sparse_mla_grouped.py): one launch per key chunk, in key order, programs owning
+  groups of consecutive queries stacked into the tensor-core rows; dq in an fp32 buffer between
+  launches.
+
+The forward, two ways (`fwd_mode`): "query" (one program per query, all its slots) or "grouped"
+(as the grouped backward; the online-softmax state in fp32 buffers between launches, key chunks
+of `fwd_key_chunk`, twice the backward's by default: no dkv shares the L2).
+
 Launch configurations are timed on first use per (kernel, heads, width, dtype) on the GPU (a
 few candidates, on the last 16k rows of the call: the fullest selections, the most key chunks)
 and remembered; `chosen_configs()` lists them.
@@ -34,8 +42,11 @@ from genolong.model.ops import KernelUnsupported
 
 ENV_SWITCH = "GENOLONG_SPARSE_MLA"
 ENV_DKV_MODE = "GENOLONG_SPARSE_MLA_DKV"
-DKV_MODES = ("atomic", "keychunk")
+ENV_FWD_MODE = "GENOLONG_SPARSE_MLA_FWD"
+DKV_MODES = ("atomic", "keychunk", "grouped")
+FWD_MODES = ("query", "grouped")
 DEFAULT_DKV_MODE = "keychunk"
+DEFAULT_FWD_MODE = "query"
 KEY_CHUNK = 8192  # keys per chunk: 8 MiB of bf16 kv + 16 MiB of fp32 dkv, half of an H200's L2
 QUERY_BUDGET_BYTES = 1 << 30
 TUNE_ROWS = 16384
@@ -63,21 +74,42 @@ def _interpreted() -> bool:
 
 
 def candidates(kind: str, heads: int, dim: int) -> list:
-    """The configurations timed for a kernel ("fwd" or "bwd"); the first is the default (used
-    untimed on the CPU and below 512 columns). Chosen from the sm_90 builds (ptxas, no spills,
-    shared memory within 227 KiB, docs/kernels.md): the gathered keys are double-buffered only
-    from 5 pipeline stages on (the index load is a stage of its own); a backward program with 64
-    heads needs more than 227 KiB, so the backward takes at most 32 heads per program."""
+    """The configurations timed for a kernel ("fwd", "bwd", "fwd_grouped", "bwd_grouped"); the
+    first is the default (used untimed on the CPU and below 512 columns). Chosen from the sm_90
+    builds (ptxas, no spills, shared memory within 227 KiB, docs/kernels.md): the gathered keys are
+    double-buffered only from 5 pipeline stages on (the index load is a stage of its own); a
+    backward program with 64 heads needs more than 227 KiB, so the backward takes at most 32
+    heads per program. The grouped kernels stack 16 // heads queries (up to 16 heads) so that
+    a program has 16 rows, as v1's padded head block, and take 32 heads per program beyond."""
     from genolong.kernels.sparse_mla_triton import Config, head_block
 
     hb = head_block(heads)
-    if kind == "fwd":
+    if kind.endswith("_grouped"):
+        found = _grouped_candidates(kind, heads)
+    elif kind.startswith("fwd"):
         found = [Config(16, 32, 8, 5), Config(16, 64, 8, 5), Config(16, 64, 8, 4)] if hb == 16 else [Config(hb, 32, 8, 5), Config(32, 32, 8, 5)]
     else:
         # 4 warps: two programs per SM (236 registers), for the key-chunked pass's short programs.
         found = [Config(16, 16, 8, 5), Config(16, 16, 4, 5), Config(16, 32, 8, 5)] if hb == 16 else [Config(32, 16, 8, 5)]
     found = list(dict.fromkeys(found))
     return found[:1] if dim < 512 else found
+
+
+def _grouped_candidates(kind: str, heads: int) -> list:
+    from genolong.kernels.sparse_mla_triton import Config
+
+    if heads > 16:
+        # One query, 32-head blocks: a 64-head forward program holding the fp32 state spills, and
+        # so does a 32-head backward program with 32 slots per step.
+        return [Config(32, 32, 8, 5), Config(32, 64, 8, 5)] if kind == "fwd_grouped" else [Config(32, 16, 8, 5)]
+    hb = min(16, 1 << max(0, heads - 1).bit_length())
+    qg = 16 // hb  # 16 rows, as v1's padded head block
+    if kind == "fwd_grouped":
+        # 8 warps: <= 128 registers, two programs per SM; 4 warps: ~210, two per SM.
+        return [Config(hb, 32, 8, 5, qg), Config(hb, 32, 4, 5, qg), Config(hb, 64, 8, 5, qg)]
+    # 4 warps: <= 255 registers, two programs per SM (at 1-2 heads, 8-16 queries a program, it spills).
+    four_warps = [Config(hb, 16, 4, 5, qg)] if hb >= 4 else []
+    return [Config(hb, 16, 8, 5, qg), *four_warps, Config(hb, 32, 8, 5, qg)]
 
 
 _CHOSEN: dict[tuple, object] = {}
@@ -136,9 +168,11 @@ def _aligned(rows: int) -> int:
     return rows // ROW_ALIGN * ROW_ALIGN
 
 
-def _forward(q, kv, idx, scale, config=None):
+def _forward(q, kv, idx, scale, mode="query", key_chunk=2 * KEY_CHUNK, budget_bytes=QUERY_BUDGET_BYTES, config=None):
     from genolong.kernels import sparse_mla_triton as k
 
+    if mode == "grouped":
+        return _forward_grouped(q, kv, idx, scale, key_chunk, budget_bytes, config)
     batch, seq, heads, dim = q.shape
     rows = q.view(-1, heads, dim)
     flat_idx = idx.view(batch * seq, idx.shape[-1])
@@ -155,6 +189,39 @@ def _forward(q, kv, idx, scale, config=None):
     return out.view(q.shape), lse.view(batch, seq, heads)
 
 
+def _query_chunks(batch: int, seq: int, step: int, last: int | None = None):
+    """(batch element, first row, last row) of the query chunks of [B*T] rows: `step` rows at a
+    time within each batch element; with `last`, only one chunk: the last `last` rows."""
+    if last is not None:
+        r0 = batch * seq - min(batch * seq, last)
+        b = r0 // seq
+        return [(b, r0, min(batch * seq, (b + 1) * seq))]
+    return [(b, r0, min((b + 1) * seq, r0 + step)) for b in range(batch) for r0 in range(b * seq, (b + 1) * seq, step)]
+
+
+def _forward_grouped(q, kv, idx, scale, key_chunk, budget_bytes, config):
+    from genolong.kernels import sparse_mla_grouped as grouped
+
+    batch, seq, heads, dim = q.shape
+    n_rows, width = batch * seq, idx.shape[-1]
+    rows, flat_idx = q.view(n_rows, heads, dim), idx.view(n_rows, width)
+    out = _common.empty(rows.shape, dtype=q.dtype, device=q.device)
+    lse = _common.empty(rows.shape[:2], dtype=torch.float32, device=q.device)
+
+    def run(chunks, c):
+        for b, r0, r1 in chunks:
+            grouped.forward(rows[r0:r1], kv[b], flat_idx[r0:r1], out[r0:r1], lse[r0:r1], scale=scale, key_chunk=key_chunk, config=c)
+
+    if config is None:
+        # Trials on the last rows (the fullest selections); the passes below overwrite them.
+        trial_rows = _query_chunks(batch, seq, 0, last=TUNE_ROWS)
+        config, _ = pick("fwd_grouped", q, width, lambda c: run(trial_rows, c))
+    n_chunks = max(1, math.ceil(kv.shape[1] / key_chunk))
+    run(_query_chunks(batch, seq, grouped.rows_per_chunk(width, heads, dim, n_chunks, config.query_group, budget_bytes, ROW_ALIGN)),
+        config)
+    return out.view(q.shape), lse.view(batch, seq, heads)
+
+
 def backward_row_bytes(width: int, heads: int, dim: int, n_chunks: int) -> int:
     """Transient bytes per query row of a key-chunked launch: the sort (int32 values + int64
     positions), the chunk bounds (and searchsorted's input) and the fp32 dq partial sums."""
@@ -165,7 +232,8 @@ def backward_rows_per_chunk(width: int, heads: int, dim: int, n_chunks: int, bud
     return max(1, budget_bytes // backward_row_bytes(width, heads, dim, n_chunks))
 
 
-def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, config=None):
+def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, config=None, add_dkv=True):
+    """dq and dkv; add_dkv=False (grouped mode only) skips dkv: the benchmark's probe of its cost."""
     from genolong.kernels import sparse_mla_triton as k
 
     batch, seq, heads, dim = q.shape
@@ -181,6 +249,10 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
     dq = _common.empty(rows.shape, dtype=q.dtype, device=q.device)
     kw = dict(seq_q=seq, seq_kv=seq_kv, scale=scale)
     n_chunks = max(1, math.ceil(seq_kv / key_chunk))
+    if mode == "grouped":
+        _backward_grouped(q, kv, idx, dout, lse, dlt, dq, dkv.view(batch, seq_kv, dim), scale, key_chunk, budget_bytes,
+                          config, add_dkv)
+        return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
     one_pass = mode == "atomic" or n_chunks == 1
 
     def launch(r0, r1, config, dq_dst, bounds=None, sorted_idx=None):
@@ -222,10 +294,31 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
     return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
 
 
+def _backward_grouped(q, kv, idx, dout, lse, dlt, dq, dkv, scale, key_chunk, budget_bytes, config, add_dkv):
+    from genolong.kernels import sparse_mla_grouped as grouped
+
+    batch, seq, heads, dim = q.shape
+    n_rows, width = batch * seq, idx.shape[-1]
+    rows, drows, flat_idx, flat_lse = q.view(n_rows, heads, dim), dout.view(n_rows, heads, dim), idx.view(n_rows, width), lse.view(n_rows, heads)
+
+    def run(chunks, c):
+        for b, r0, r1 in chunks:
+            grouped.backward(rows[r0:r1], kv[b], flat_idx[r0:r1], drows[r0:r1], flat_lse[r0:r1], dlt[r0:r1], dq[r0:r1], dkv[b],
+                             scale=scale, key_chunk=key_chunk, config=c, add_dkv=add_dkv)
+
+    if config is None:
+        config, timed = pick("bwd_grouped", q, width, lambda c: run(_query_chunks(batch, seq, 0, last=TUNE_ROWS), c))
+        if timed:
+            dkv.zero_()  # the trials added into it
+    n_chunks = max(1, math.ceil(kv.shape[1] / key_chunk))
+    run(_query_chunks(batch, seq, grouped.rows_per_chunk(width, heads, dim, n_chunks, config.query_group, budget_bytes, ROW_ALIGN)),
+        config)
+
+
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, scale, mode, key_chunk, budget_bytes, configs):
-        out, lse = _forward(q, kv, indices, scale, configs.get("fwd"))
+    def forward(ctx, q, kv, indices, scale, mode, key_chunk, budget_bytes, configs, fwd_mode, fwd_key_chunk):
+        out, lse = _forward(q, kv, indices, scale, fwd_mode, fwd_key_chunk, budget_bytes, configs.get("fwd"))
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.scale, ctx.mode, ctx.key_chunk, ctx.budget_bytes, ctx.configs = scale, mode, key_chunk, budget_bytes, configs
         ctx.mark_non_differentiable(lse)
@@ -236,22 +329,27 @@ class _SparseMLA(torch.autograd.Function):
         q, kv, indices, out, lse = ctx.saved_tensors
         dq, dkv = _backward(q, kv, indices, out, lse, dout.contiguous().to(q.dtype), ctx.scale, ctx.mode,
                             ctx.key_chunk, ctx.budget_bytes, ctx.configs.get("bwd"))
-        return dq, dkv, None, None, None, None, None, None
+        return dq, dkv, None, None, None, None, None, None, None, None
 
 
 def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mode: str = DEFAULT_DKV_MODE,
-               key_chunk: int = KEY_CHUNK, budget_bytes: int = QUERY_BUDGET_BYTES, configs: dict | None = None):
+               fwd_mode: str = DEFAULT_FWD_MODE, key_chunk: int = KEY_CHUNK, fwd_key_chunk: int | None = None,
+               budget_bytes: int = QUERY_BUDGET_BYTES, configs: dict | None = None):
     """The op on the Triton kernels, on CUDA or (TRITON_INTERPRET=1) the CPU; `configs` may pin
-    {"fwd": Config, "bwd": Config} instead of timing candidates."""
+    {"fwd": Config, "bwd": Config} (of the kernels the modes run) instead of timing candidates.
+    `fwd_key_chunk` (grouped forward) defaults to twice `key_chunk`."""
     if dkv_mode not in DKV_MODES:
         raise GenolongError(f"dkv_mode {dkv_mode!r} is unknown; use one of {', '.join(DKV_MODES)}")
-    if key_chunk < 1:
-        raise GenolongError(f"key_chunk must be a positive number of keys, got {key_chunk}")
+    if fwd_mode not in FWD_MODES:
+        raise GenolongError(f"fwd_mode {fwd_mode!r} is unknown; use one of {', '.join(FWD_MODES)}")
+    fwd_key_chunk = 2 * key_chunk if fwd_key_chunk is None else fwd_key_chunk
+    if min(key_chunk, fwd_key_chunk) < 1:
+        raise GenolongError(f"key chunks must be a positive number of keys, got {key_chunk} and {fwd_key_chunk}")
     check_supported(q, kv, indices)
     if not (q.is_cuda or _interpreted()):
         raise KernelUnsupported(f"needs CUDA tensors (or Triton's interpreter, TRITON_INTERPRET=1), got {q.device}")
     out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), float(scale), dkv_mode,
-                                int(key_chunk), int(budget_bytes), dict(configs or {}))
+                                int(key_chunk), int(budget_bytes), dict(configs or {}), fwd_mode, int(fwd_key_chunk))
     return (out, lse) if return_lse else out
 
 
@@ -259,7 +357,8 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     """The "dsa_sparse_attention" op (docs/ops.md) on the few-head Triton sparse-MLA kernels.
 
     Environment: GENOLONG_SPARSE_MLA=off declines (the next implementation, megatron-core's
-    TileLang kernel, runs instead); GENOLONG_SPARSE_MLA_DKV picks the dkv mode."""
+    TileLang kernel, runs instead); GENOLONG_SPARSE_MLA_DKV picks the dkv mode,
+    GENOLONG_SPARSE_MLA_FWD the forward's."""
     if os.environ.get(ENV_SWITCH, "on") == "off":
         raise KernelUnsupported(f"disabled by {ENV_SWITCH}=off")
     _common.require_cuda(q, kv, indices)
@@ -270,7 +369,10 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         import genolong.kernels.sparse_mla_triton  # noqa: F401
     except ImportError as why:
         raise KernelUnsupported(f"triton is not importable: {why}") from why
-    mode = os.environ.get(ENV_DKV_MODE, DEFAULT_DKV_MODE)
-    if mode not in DKV_MODES:
-        raise GenolongError(f"{ENV_DKV_MODE}={mode!r} is not a dkv mode; set it to one of {', '.join(DKV_MODES)} or unset it")
-    return sparse_mla(q, kv, indices, scale=scale, return_lse=return_lse, dkv_mode=mode)
+    modes = {}
+    for env, choices, default in ((ENV_DKV_MODE, DKV_MODES, DEFAULT_DKV_MODE), (ENV_FWD_MODE, FWD_MODES, DEFAULT_FWD_MODE)):
+        modes[env] = os.environ.get(env, default)
+        if modes[env] not in choices:
+            raise GenolongError(f"{env}={modes[env]!r} is not a mode; set it to one of {', '.join(choices)} or unset it")
+    return sparse_mla(q, kv, indices, scale=scale, return_lse=return_lse, dkv_mode=modes[ENV_DKV_MODE],
+                      fwd_mode=modes[ENV_FWD_MODE])

@@ -41,15 +41,18 @@ RANGED_ROWS = 16  # rows per program of the key-chunked backward
 
 @dataclass(frozen=True)
 class Config:
-    """Meta-parameters of one launch: heads per program, slots per step, warps, pipeline stages."""
+    """Meta-parameters of one launch: heads per program, slots per step, warps, pipeline stages,
+    and (the grouped kernels only) queries per program."""
 
     head_block: int
     block_n: int
     num_warps: int
     num_stages: int
+    query_group: int = 1
 
     def label(self) -> str:
-        return f"HB{self.head_block}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+        group = f"/QG{self.query_group}" if self.query_group > 1 else ""
+        return f"HB{self.head_block}{group}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}"
 
 
 def head_block(heads: int, limit: int = 64) -> int:
@@ -234,25 +237,19 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
 
 
 def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool = False, arch: int = 90):
-    """Compile "fwd" or "bwd" for a GPU architecture without a GPU (the CPU compile check)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Compile "fwd" or "bwd" for a GPU architecture without a GPU, specialised as the JIT
+    specialises a launch (genolong/kernels/aot.py): the CPU build check."""
+    from genolong.kernels import aot
 
-    n_hb = triton.cdiv(heads, config.head_block)
-    meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, PREC="tf32")
+    meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=triton.cdiv(heads, config.head_block), PREC="tf32")
     if kind == "fwd":
         fn = _sparse_mla_fwd_kernel
-        sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-               "row0": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "scale_log2": "fp32", "H": "i32"}
+        args = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32", row0="i32",
+                    seq_q="i32", seq_kv="i32", width="i32", scale_log2="fp32", H="i32")
     else:
         fn = _sparse_mla_bwd_kernel
         meta.update(RANGED=ranged, ROWS=RANGED_ROWS)
-        sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "do_ptr": "*bf16", "lse_ptr": "*fp32",
-               "delta_ptr": "*fp32", "dq_ptr": "*fp32" if ranged else "*bf16", "dkv_ptr": "*fp32", "bounds_ptr": "*i32",
-               "row0": "i32", "n_rows": "i32", "seq_q": "i32", "seq_kv": "i32", "width": "i32", "n_bounds": "i32",
-               "scale": "fp32", "scale_log2": "fp32", "H": "i32"}
-    # As the JIT specialises them for torch's allocations: every pointer 16-byte aligned.
-    aligned = {(i,): [["tt.divisibility", 16]] for i, kind_ in enumerate(sig.values()) if kind_.startswith("*")}
-    src = ASTSource(fn, {**sig, **dict.fromkeys(meta, "constexpr")}, meta, attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+        args = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32",
+                    dq_ptr="*fp32" if ranged else "*bf16", dkv_ptr="*fp32", bounds_ptr="*i32", row0="i32", n_rows="i32",
+                    seq_q="i32", seq_kv="i32", width="i32", n_bounds="i32", scale="fp32", scale_log2="fp32", H="i32")
+    return aot.build(fn, args, meta, num_warps=config.num_warps, num_stages=config.num_stages, arch=arch)

@@ -19,6 +19,7 @@ KW = dict(kpool=4, topk_pools=512, always_select_tail=True, softmax_scale=128**-
 def _setup(monkeypatch):
     kernels.load()
     monkeypatch.setattr(_common, "POISON", True)
+    monkeypatch.setenv("GENOLONG_INDEXER_V2_STREAMED", "1")  # prove the streamed pass 1 too
     torch.manual_seed(0)
 
 

@@ -1,7 +1,7 @@
 """The few-head Triton sparse-MLA kernels against the fp32 reference on a CUDA GPU (skipped without one).
 
 bf16 inputs, the indexer's pool-structured selections (W = 2051, early queries with fewer keys
-than slots), both dkv modes; out, dq and dkv by relative Frobenius error, lse absolute. Output
+than slots), every (forward, dkv) mode pair the benchmark times; out, dq and dkv by relative Frobenius error, lse absolute. Output
 buffers start as NaN (POISON). The 1M-token case checks the 64-bit offsets: row * W and
 row * H * D pass 2^31 there.
 """
@@ -17,6 +17,8 @@ from genolong.model.dsa import sparse_attention_reference
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 SCALE = 128**-0.5
+# (forward mode, dkv mode): v1 with each dkv mode, and the grouped passes.
+MODES = [("query", "atomic"), ("query", "keychunk"), ("grouped", "grouped")]
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +53,10 @@ def _lse_reference(q, kv, idx):
     return torch.cat(out)[None]
 
 
-@pytest.mark.parametrize("mode", sparse_mla.DKV_MODES)
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: "-".join(m))
 @pytest.mark.parametrize("heads", [4, 16, 64])
-def test_outputs_lse_and_gradients(heads, mode):
+def test_outputs_lse_and_gradients(heads, modes):
+    fwd_mode, mode = modes
     seq = 4096
     idx = _indexer_selection(seq)
     assert idx.shape[-1] == 2051 and ((idx >= 0).sum(-1) < 2048).any() and ((idx >= 0).sum(-1) >= 2048).any()
@@ -71,13 +74,14 @@ def test_outputs_lse_and_gradients(heads, mode):
     lse = {}
 
     def triton(a, b):
-        out, lse["got"] = sparse_mla.sparse_mla(a, b, idx, scale=SCALE, return_lse=True, dkv_mode=mode, key_chunk=1024)
+        out, lse["got"] = sparse_mla.sparse_mla(a, b, idx, scale=SCALE, return_lse=True, dkv_mode=mode, fwd_mode=fwd_mode,
+                                                key_chunk=1024)
         return out
 
     got = run(triton, torch.bfloat16)
     errors = {label: _rel(g, r) for label, g, r in zip(("out", "dq", "dkv"), got, ref)}
     lse_err = (lse["got"] - _lse_reference(q, kv, idx)).abs().max().item()
-    print(f"heads={heads} {mode}: {errors}, lse max abs {lse_err:.2e}, configs {sparse_mla.chosen_configs()}")
+    print(f"heads={heads} {fwd_mode}/{mode}: {errors}, lse max abs {lse_err:.2e}, configs {sparse_mla.chosen_configs()}")
     assert all(e <= 1e-2 for e in errors.values()), errors
     assert lse["got"].dtype == torch.float32 and lse_err <= 1e-2
 
@@ -94,8 +98,8 @@ def test_registered_first_and_returns_lse():
     assert torch.isneginf(lse[0, 7]).all() and (out[0, 7] == 0).all()
 
 
-@pytest.mark.parametrize("mode", sparse_mla.DKV_MODES)
-def test_one_million_tokens_64_bit_offsets(mode):
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: "-".join(m))
+def test_one_million_tokens_64_bit_offsets(modes):
     # Random pool-structured selections below each query (512 pools of 4, duplicates allowed);
     # the gradient flows from the last rows only, so the reference can run on those rows alone.
     seq, heads, tail = 1 << 20, 4, 64
@@ -110,7 +114,7 @@ def test_one_million_tokens_64_bit_offsets(mode):
     dout = torch.zeros_like(q)
     dout[:, -tail:] = torch.randn(1, tail, heads, 512, device=DEV, dtype=torch.bfloat16)
     a, b = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    out = sparse_mla.sparse_mla(a, b, idx, scale=SCALE, dkv_mode=mode)
+    out = sparse_mla.sparse_mla(a, b, idx, scale=SCALE, fwd_mode=modes[0], dkv_mode=modes[1])
     out.backward(dout)
     qa, kva = q[:, -tail:].float().requires_grad_(), kv.float().requires_grad_()
     ref = sparse_attention_reference(qa, kva, idx[:, -tail:], scale=SCALE)

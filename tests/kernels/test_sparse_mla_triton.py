@@ -42,6 +42,24 @@ CASES = {
              configs={"fwd": [16, 64, 8, 5], "bwd": [16, 32, 8, 5]}),
     "fp16 pools, 16 heads x 512, atomic": dict(batch=1, seq=96, heads=16, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="atomic"),
     "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8),
+    # The grouped passes: queries stacked per program (16 // heads of them), one launch per key chunk.
+    "fp32 grouped, 3 heads (4 queries a program), 2 batches of 41 (partial groups at each end), key chunks of 16, query chunks of 16":
+        dict(batch=2, seq=41, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="grouped", fwd_mode="grouped",
+             key_chunk=16, small_query_chunks=True),
+    "fp32 grouped forward, atomic dkv, kv longer than q (CP), 5 heads (2 queries of 8 rows)":
+        dict(batch=1, seq=40, kv_len=100, heads=5, dim=32, sel="random", width=23, dtype="float32", mode="atomic",
+             fwd_mode="grouped", key_chunk=8),
+    "fp32 grouped dkv, query forward, one head (16 queries a program)":
+        dict(batch=1, seq=37, heads=1, dim=16, sel="random", width=5, dtype="float32", mode="grouped", key_chunk=8),
+    "fp32 grouped, 80 heads: head blocks 32+32+16": dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11, dtype="float32",
+                                                           mode="grouped", fwd_mode="grouped", key_chunk=8),
+    "fp32 grouped config trials": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32", mode="grouped",
+                                       fwd_mode="grouped", key_chunk=8, trials=True),
+    "fp16 pools, GLM width 2051, 4 heads x 512, grouped":
+        dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="grouped", fwd_mode="grouped", key_chunk=8),
+    "fp16 pools, 8 heads x 512, grouped, blocks of 64 / 32 slots":
+        dict(batch=1, seq=96, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="grouped", fwd_mode="grouped", key_chunk=32,
+             configs={"fwd": [8, 64, 8, 5, 2], "bwd": [8, 32, 8, 5, 2]}),
 }
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
 
@@ -59,13 +77,14 @@ def _patched(tensor, scope):
     scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 interp._patch_lang_tensor = _patched
 
-from genolong.kernels import _common, sparse_mla
+from genolong.kernels import _common, sparse_mla, sparse_mla_grouped as grouped
 from genolong.kernels.sparse_mla_triton import Config
 from genolong.model.dsa import sparse_attention_reference
 from genolong.model.indexer import indexer_topk_reference
 
 _common.POISON = True
 _pick = sparse_mla.pick
+grouped_rows = sparse_mla.ROW_ALIGN  # the smallest query chunk
 
 def pick_with_trials(kind, q, width, trial):
     # What pick() does on the GPU, minus the clock: every trial runs (twice), then "timed".
@@ -106,6 +125,8 @@ for name, c in json.loads(sys.argv[1]).items():
     width = idx.shape[-1]
     n_chunks = -(-kv_len // c.get("key_chunk", sparse_mla.KEY_CHUNK))
     budget = sparse_mla.backward_row_bytes(width, c["heads"], dim, n_chunks) * -(-c["batch"] * c["seq"] // c.get("query_chunks", 1))
+    if c.get("small_query_chunks"):
+        budget = grouped.row_bytes(width, c["heads"], dim, n_chunks, 1) * grouped_rows
 
     def run(fn, dt):
         a, b = q.to(dt).clone().requires_grad_(), kv.to(dt).clone().requires_grad_()
@@ -114,7 +135,7 @@ for name, c in json.loads(sys.argv[1]).items():
         return out.detach(), lse, a.grad, b.grad
 
     ref = run(lambda a, b: (sparse_attention_reference(a, b, idx, scale=scale), lse_reference(a.detach(), b.detach(), idx, scale)), torch.float64)
-    got = run(lambda a, b: sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True, dkv_mode=c["mode"],
+    got = run(lambda a, b: sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True, dkv_mode=c["mode"], fwd_mode=c.get("fwd_mode", "query"),
                                                   key_chunk=c.get("key_chunk", sparse_mla.KEY_CHUNK), budget_bytes=budget,
                                                   configs=configs), dtype)
     finite = torch.isfinite(ref[1])
@@ -203,21 +224,6 @@ def test_candidates_fit_the_sm90_limits_chosen_offline():
 # ----------------------------------------------------------------------------- sm_90 builds
 
 
-def _ptxas_report(kernel) -> tuple[int, int]:
-    """(registers, spill-store bytes) from ptxas -v on the kernel's PTX."""
-    import re
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(kernel.asm["ptx"])
-        f.flush()
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"Used (\d+) registers", log).group(1)), int(re.search(r"(\d+) bytes spill stores", log).group(1))
-
-
 @needs_triton
 @pytest.mark.parametrize("heads", [4, 8, 16, 64])  # glm53-mini, GLM-5.3-Flash at TP 8 / 4, whole
 def test_kernels_compile_for_sm90_without_spills(heads):
@@ -238,7 +244,7 @@ def test_kernels_compile_for_sm90_without_spills(heads):
         assert ("wgmma" if heads == 64 and name == "fwd HB64/BN32/w8/s5" else "mma.sync") in ptx, name  # tensor cores
         assert "cp.async" in ptx, name  # the gathered rows are copied asynchronously
         assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, (name, kernel.metadata.shared)
-        regs, spills = _ptxas_report(kernel)
+        regs, spills = aot.ptxas_usage(kernel)
         assert spills == 0, (name, regs, spills)
     # dkv: one vectorised relaxed atomic per 4 columns, after the sum over the head block.
     assert all("atom.global.gpu.relaxed.add.v4.f32" in kernel.asm["ptx"] for name, kernel in builds.items() if name.startswith("bwd"))
