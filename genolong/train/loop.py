@@ -399,7 +399,7 @@ def _open_sampler(options: TrainOptions):
             f"one shifted target) but the longest {options.split!r} record of {options.data} has {longest:,}; "
             f"use --seq {longest - 1} or less, or prepare longer records into that split"
         )
-    return WindowSampler(
+    sampler = WindowSampler(
         genome,
         options.split,
         options.seq_len + 1,
@@ -407,6 +407,11 @@ def _open_sampler(options: TrainOptions):
         max_n_fraction=options.max_n_fraction,
         reverse_complement=options.reverse_complement,
     )
+    if options.planted_repeats:
+        from genolong.data.planted import PlantedRepeatSampler, PlantSpec
+
+        sampler = PlantedRepeatSampler(sampler, PlantSpec.parse(options.planted_repeats), seed=options.seed)
+    return sampler
 
 
 def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None):

@@ -115,6 +115,7 @@ class TrainOptions:
     max_n_fraction: float = 0.1
     reverse_complement: bool = True
     overfit: int = 0  # > 0: train repeatedly on the first `overfit` windows
+    planted_repeats: str | None = None  # e.g. "len=64,max-dist=48k,per-window=8" (genolong.data.planted); None = off
     max_nonfinite: int = 5  # stop after this many consecutive non-finite steps
     stop_after: int | None = None  # end this invocation after N steps (checkpointed; resume later)
     resume: bool = False  # continue the run in `out` from its latest complete checkpoint
@@ -181,6 +182,10 @@ class TrainOptions:
             raise GenolongError(f"--balance-rate and --aux-loss-coeff must be >= 0 (0 = off), got {self.balance_rate} and {self.aux_loss_coeff}")
         if not 0 <= self.repeat_weight <= 1:
             raise GenolongError(f"--repeat-weight must be in [0, 1] (1 = repeats count fully, 0.1 = Evo 2), got {self.repeat_weight}")
+        if self.planted_repeats is not None:
+            from genolong.data.planted import PlantSpec
+
+            PlantSpec.parse(self.planted_repeats).validate(window=self.seq_len + 1)
         if self.resume and self.overwrite:
             raise GenolongError("--resume and --overwrite exclude each other: --resume continues the run, --overwrite replaces it")
         if self.preset is None and self.model_path is None:

@@ -1,0 +1,240 @@
+"""Long-range recall on planted repeats: the loss on a copy vs on its first occurrence, by distance.
+
+Windows are the chosen split (holdout by default) tiled as in eval-positional; each window gets
+one copy of `length` bases per requested distance d, placed by genolong.data.planted's rules
+from (seed, window) alone, so every model sees exactly the same planted windows. A window where
+some distance finds no N-free room is skipped (and counted).
+
+Per window, per distance, per offset o in [0, length) of the copy, three losses (nats, the
+model's probabilities renormalised over A, C, G, T as in eval-positional):
+- copy: the planted window's loss at target dest + o;
+- first: the planted window's loss at target source + o (the same bases, first occurrence);
+- null: the unplanted window's loss at target dest + o (ordinary DNA at the copy's place).
+So a model costs two forward passes per window (planted and original). The first `skip` bases
+of a copy cannot be predicted by any model (nothing says a copy has started); the headline
+numbers average offsets [skip, length), the per-offset curves keep them all.
+
+Per-window sums go to the same resumable partial file as eval-positional's (genolong.eval.store):
+an interrupted evaluation reruns only the missing (model, window) pairs. Aggregation and
+outputs: genolong.eval.recall_report.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from genolong.data.planted import PlantedWindow, plant_window, window_rng
+from genolong.data.sampler import Window
+from genolong.errors import GenolongError
+from genolong.eval.positional import ModelScorer, WindowScore
+from genolong.eval.store import PartialResults
+from genolong.units import format_length
+
+# Axis 1 of RecallLayout's per-window sums.
+KINDS = ("copy", "first", "null")
+
+
+@dataclass(frozen=True)
+class RecallLayout:
+    """Window length, copy length, distances and skipped leading copy bases, validated together."""
+
+    seq: int
+    length: int
+    distances: tuple[int, ...]
+    skip: int = 16
+
+    def __post_init__(self) -> None:
+        if self.length < 2:
+            raise GenolongError(f"--len {self.length}: a copy needs at least 2 bases; use e.g. --len 64")
+        if not 0 <= self.skip < self.length:
+            raise GenolongError(f"--skip {self.skip} must be in [0, --len {self.length}): the headline averages offsets skip..len-1")
+        if not self.distances:
+            raise GenolongError("--distances is empty: give distances like 1k,4k,16k,48k")
+        if len(set(self.distances)) != len(self.distances) or list(self.distances) != sorted(self.distances):
+            raise GenolongError(f"--distances {self.distances} must be increasing and without repeats")
+        if self.distances[0] < self.length:
+            raise GenolongError(
+                f"--distances {self.distances[0]} is shorter than --len {self.length}: the copy would overlap its first "
+                f"occurrence; use distances >= {self.length}"
+            )
+        longest = self.distances[-1]
+        if longest + self.length >= self.seq:
+            raise GenolongError(
+                f"--distances {format_length(longest)} with --len {self.length} needs windows of more than "
+                f"{longest + self.length:,} bases, and --seq is {self.seq:,}: use distances up to "
+                f"{self.seq - self.length - 1:,} or a longer --seq"
+            )
+        if 2 * self.length * len(self.distances) > self.seq // 2:
+            raise GenolongError(
+                f"{len(self.distances)} distances x 2 x --len {self.length} bases would fill over half of a {self.seq:,}-base "
+                "window: use fewer distances, a shorter --len or a longer --seq"
+            )
+
+    @classmethod
+    def auto_distances(cls, seq: int, length: int) -> tuple[int, ...]:
+        """seq/64, seq/16, seq/4 and 3/4 seq (64k -> 1k, 4k, 16k, 48k), those >= length."""
+        picks = (seq // 64, seq // 16, seq // 4, 3 * seq // 4)
+        return tuple(sorted({d for d in picks if d >= length and d + length < seq}))
+
+
+def plant_for_eval(window: Window, layout: RecallLayout, seed: int) -> PlantedWindow | None:
+    """The window with one copy per distance, or None if one of them finds no room."""
+    planted = plant_window(window, layout.distances, layout.length, window_rng(seed, window))
+    return planted if len(planted.copies) == len(layout.distances) else None
+
+
+def score_planted(scorer: ModelScorer, planted: PlantedWindow, layout: RecallLayout) -> WindowScore:
+    """sums [distances, KINDS, length] (nats) and counts [distances, length] of one planted window."""
+    if len(planted.tokens) != layout.seq:
+        raise ValueError(f"window has {len(planted.tokens)} tokens, layout expects {layout.seq}")
+    with_copies = scorer.losses(scorer.token_ids(planted.tokens)[None])[0].double().numpy()  # index j-1 = target j
+    original = scorer.losses(scorer.token_ids(planted.original)[None])[0].double().numpy()
+    length = layout.length
+    sums = np.zeros((len(layout.distances), len(KINDS), length))
+    counts = np.zeros((len(layout.distances), length), dtype=np.int64)
+    offsets = np.arange(length)
+    for c in planted.copies:
+        i = layout.distances.index(c.distance)
+        sums[i, 0] = with_copies[c.dest + offsets - 1]
+        sums[i, 1] = with_copies[c.source + offsets - 1]
+        sums[i, 2] = original[c.dest + offsets - 1]
+        counts[i] = 1  # planting never uses N bases, so every copy base is scored
+    return WindowScore(sums=sums, counts=counts)
+
+
+@dataclass
+class RecallSettings:
+    layout: RecallLayout
+    out_dir: Path
+    windows: int = 32
+    split: str = "holdout"
+    max_n_fraction: float = 0.1
+    n_boot: int = 1000
+    seed: int = 0
+    dtype: str = "float32"
+    overwrite: bool = False
+    progress: bool = True
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def planted_windows(tiles: Iterable[Window], layout: RecallLayout, seed: int, limit: int) -> Iterator[PlantedWindow | None]:
+    """Plant each tile in order; yields None for a tile without room, stops after `limit` planted."""
+    planted = 0
+    for window in tiles:
+        p = plant_for_eval(window, layout, seed)
+        yield p
+        planted += p is not None
+        if planted >= limit:
+            return
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("windows"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(file=sys.stderr),
+        disable=not enabled,
+    )
+
+
+def evaluate(
+    settings: RecallSettings,
+    specs: dict,
+    tiles: Callable[[], Iterable[Window]],
+    make_scorer: Callable[[str], ModelScorer],
+    *,
+    data_identity: dict[str, Any] | None = None,
+    echo: Callable[[str], None] = print,
+):
+    """Score every model (`specs`: role -> genolong.eval.run.ModelSpec, in order) on the planted
+    windows, resumably; aggregate and write the outputs. `tiles()` restarts the tiling."""
+    from genolong.eval import recall_report
+    from genolong.model import ops
+
+    layout = settings.layout
+
+    def windows() -> Iterator[PlantedWindow]:
+        return (p for p in planted_windows(tiles(), layout, settings.seed, settings.windows) if p is not None)
+
+    tried = list(planted_windows(tiles(), layout, settings.seed, settings.windows))
+    keys = [(p.record, int(p.start), bool(p.reverse)) for p in tried if p is not None]
+    if not keys:
+        raise GenolongError(
+            f"no window of the {settings.split!r} split had room for copies at every distance "
+            f"({', '.join(format_length(d) for d in layout.distances)}) away from N bases: use fewer or shorter "
+            "distances, a smaller --max-n-fraction (windows with fewer N), or another --split"
+        )
+    fingerprint = {
+        "kind": "eval-recall",
+        "seq": layout.seq,
+        "length": layout.length,
+        "distances": list(layout.distances),
+        "split": settings.split,
+        "max_n_fraction": settings.max_n_fraction,
+        "seed": settings.seed,
+        "dtype": settings.dtype,
+        "data": data_identity or {},
+        "models": {role: {"architecture": s.architecture, "token_map": s.token_map, **s.identity} for role, s in specs.items()},
+    }
+    partial = PartialResults(settings.out_dir, fingerprint, overwrite=settings.overwrite)
+    ops.reset_audit()
+    with _progress(settings.progress) as bar:
+        for role, spec in specs.items():
+            todo = sum(not partial.done(role, k) for k in keys)
+            if todo == 0:
+                continue
+            scorer = make_scorer(role)
+            task = bar.add_task(f"{role} ({spec.label})", total=len(keys), completed=len(keys) - todo)
+            for planted in windows():
+                key = (planted.record, int(planted.start), bool(planted.reverse))
+                if partial.done(role, key):
+                    continue
+                t0 = time.perf_counter()
+                score = score_planted(scorer, planted, layout)
+                partial.append(role, key, score, seconds=time.perf_counter() - t0)
+                bar.advance(task)
+            del scorer
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    scores = {role: [partial.get(role, k) for k in keys] for role in specs}
+    seconds = {role: _mean([partial.seconds.get(role, {}).get(k) for k in keys]) for role in specs}
+    meta = {
+        **settings.meta,
+        "kernels": ops.audit_summary(),
+        "models": {role: {"source": s.source, "label": s.label, **s.identity} for role, s in specs.items()},
+        "data": data_identity or {},
+        "split": settings.split,
+        "max_n_fraction": settings.max_n_fraction,
+        "dtype": settings.dtype,
+        "seed": settings.seed,
+        "n_boot": settings.n_boot,
+        "windows_without_room": len(tried) - len(keys),
+        "seconds_per_window": seconds,
+    }
+    labels = {role: s.label for role, s in specs.items()}
+    res = recall_report.aggregate(layout, keys, scores, labels, n_boot=settings.n_boot, seed=settings.seed, meta=meta)
+    recall_report.write_outputs(res, settings.out_dir)
+    echo(recall_report.summary_text(res).rstrip("\n"))
+    return res
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
