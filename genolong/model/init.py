@@ -6,6 +6,13 @@
   `o_proj`, MLP / shared-expert / expert `down_proj`): normal(0, std / sqrt(2 * num_layers))
   (GPT-2 depth scaling: two residual additions per layer), so the streams' variance does not
   grow with depth at initialisation.
+- The LM head: normal(0, 1 / hidden), muP's readout initialisation, where the reference uses
+  std (0.02). The head reads the final RMS-normalised state h (|h| = sqrt(hidden)), so a logit
+  can move by up to |W_row| |h| = std * hidden when h turns: 10 nats for glm53-mini at 0.02.
+  AdamW's first steps move every weight by about lr whatever its gradient, h turns, and with
+  the 8-token DNA vocabulary the result is confident wrong predictions: a loss spike at lr 1e-3
+  (measurements in docs/model.md, "Initialisation"). At 1 / hidden the same turn moves a logit
+  by at most 1 nat.
 - Norm weights 1, biases 0.
 - KDA forget gate as fla (and the reference): A_log = 0 with the bounded gate, dt_bias the
   inverse softplus of dt ~ log-uniform[1e-3, 1e-1], so the initial decay per step is mild.
@@ -68,6 +75,9 @@ def init_weights(model: nn.Module, *, std: float | None = None) -> None:
             nn.init.zeros_(module.index_kpool_compress_ape)
             nn.init.ones_(module.index_kpool_compress_gate)
     # Second pass: pieces that the generic rules above have already touched.
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None:
+        nn.init.normal_(lm_head.weight, 0.0, 1.0 / config.hidden)
     for module in model.modules():
         if isinstance(module, _OUTPUT_PROJECTIONS):
             nn.init.normal_(module.o_proj.weight, 0.0, out_std)

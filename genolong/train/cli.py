@@ -12,6 +12,7 @@ from genolong.train.plan_cli import plan  # noqa: F401  (mounted by genolong.cli
 _MEM = "Memory optimizations (each one can be turned off; --baseline: all off)"
 _RUN = "Run"
 _IDX = "DSA indexer training (default: frozen)"
+_BAL = "Expert balance and loss weighting"
 
 
 def finetune(
@@ -105,6 +106,11 @@ def finetune(
     gpu_budget: Annotated[float | None, typer.Option(hidden=True)] = None,
     host_budget: Annotated[float | None, typer.Option(hidden=True)] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Every memory optimization off (the stack out of the box).", rich_help_panel=_MEM)] = False,
+    balance_rate: Annotated[
+        float, typer.Option(help="Expert-balance bias step per optimizer step (DeepSeek-V3's auxiliary-loss-free balancing; 0: off).", rich_help_panel=_BAL)
+    ] = 1e-3,
+    aux_loss_coeff: Annotated[float, typer.Option(help="Sequence-wise expert balance loss coefficient (DeepSeek-V3; 0: off, e.g. 1e-4).", rich_help_panel=_BAL)] = 0.0,
+    repeat_weight: Annotated[float, typer.Option(help="Loss weight of soft-masked repeat bases (1: as others; Evo 2 uses 0.1).", rich_help_panel=_BAL)] = 1.0,
     indexer_loss_coeff: Annotated[
         float, typer.Option(help="Train the DSA indexer with its KL loss at this weight (0: frozen indexer).", rich_help_panel=_IDX)
     ] = 0.0,
@@ -196,6 +202,9 @@ def finetune(
             progress=progress,
             compile=compile,
             memory=memory,
+            balance_rate=balance_rate,
+            aux_loss_coeff=aux_loss_coeff,
+            repeat_weight=repeat_weight,
             indexer_loss_coeff=indexer_loss_coeff,
             indexer_warmup_steps=indexer_warmup_steps,
             indexer_recall_every=indexer_recall_every,

@@ -59,6 +59,12 @@ class Processes:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [float(x) if v is not None else None for x, v in zip(t.tolist(), values, strict=True)]
 
+    def expert_count_reducer(self):
+        """`reduce=` for the expert balancer: the step's expert loads summed over every rank routing other tokens."""
+        from genolong.parallel.expert import expert_count_reducer
+
+        return expert_count_reducer(self.pmesh)
+
     def barrier(self) -> None:
         if self.pmesh is not None:
             dist.barrier()
@@ -100,6 +106,11 @@ def check_processes(options, config) -> None:
         from genolong.parallel.context import check_context_parallel
 
         check_context_parallel(config, layout)  # what the context-parallel pass refuses, before anything is built
+        if options.aux_loss_coeff > 0:
+            raise GenolongError(
+                f"--aux-loss-coeff {options.aux_loss_coeff} with --parallel {layout}: the sequence-wise balance loss is not "
+                "computed over a sequence split by cp yet; use --aux-loss-coeff 0 (the bias rule, --balance-rate, works at any layout)"
+            )
     per_rank = options.batch // layout.data_parallel
     if per_rank % options.grad_accum:
         raise GenolongError(

@@ -7,7 +7,8 @@ One step (docs/training.md):
    global count, backward (gradients add up to the gradient of the step's mean loss);
 3. global gradient norm; a non-finite loss or norm skips the update (counted; the run stops
    with the reason after `max_nonfinite` in a row); otherwise clip and take an AdamW step at
-   the scheduled learning rate;
+   the scheduled learning rate, then move the MoE routers' correction biases towards an even
+   expert load (genolong.train.balance);
 4. one record: loss, lr, grad norm, tokens/s, MFU/HFU, peak GPU memory, pinned host bytes;
    JSONL, TensorBoard, progress bar; a checkpoint every `save_every` steps and at the end.
 With `indexer_loss_coeff > 0` the DSA indexer trains too (genolong/train/indexer.py): its KL
@@ -49,13 +50,19 @@ import torch
 from genolong.errors import GenolongError
 from genolong.model import ops
 from genolong.parallel import checkpoint as dist_ckpt
-from genolong.parallel.context import shard_batch
+from genolong.parallel.context import shard_batch, shard_sequence
 from genolong.parallel.data import load_sampler_state, sampler_state
 from genolong.train import checkpoint as ckpt_io
 from genolong.train import distributed
+from genolong.train.balance import ExpertBalancer
 from genolong.train.flops import peak_flops, step_flops
 from genolong.train.indexer import IndexerTraining, trainable_parameters
-from genolong.train.loss import auto_chunk_tokens, chunked_lm_loss, full_lm_loss
+from genolong.train.loss import (
+    auto_chunk_tokens,
+    chunked_lm_loss,
+    full_lm_loss,
+    repeat_target_weight,
+)
 from genolong.train.metrics import JsonlLog, StepRecord, TensorBoardLog
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
 from genolong.train.progress_lines import progress_display
@@ -83,6 +90,7 @@ class _Batch:
     inputs: torch.Tensor  # [b, T] token ids the model reads (checkpoint ids when fine-tuning a GLM)
     targets: torch.Tensor  # [b, T]
     valid: torch.Tensor  # [b, T] bool: target is not N
+    weight: torch.Tensor | None = None  # [b, T] fp32 loss weight per target (--repeat-weight); None = 1 where valid
 
 
 def check_inputs(options: TrainOptions) -> None:
@@ -155,6 +163,7 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     model, dna_map = _build_model(options, device, dtype, resume_from, procs)
     parallel = parallelize(model, options, procs.pmesh, kernels=resolve_kernels(options, device))
     handle = parallel.memory
+    balancer = ExpertBalancer(model, rate=options.balance_rate, aux_loss_coeff=options.aux_loss_coeff)
     indexer = IndexerTraining(
         model,
         coeff=options.indexer_loss_coeff,
@@ -205,7 +214,7 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     try:
         for step in range(start, end):
             batch = next(batches)
-            record = _train_step(model, optimizer, batch, options, step, chunk, device, parallel, flops, peak, indexer, procs)
+            record = _train_step(model, optimizer, batch, options, step, chunk, device, parallel, flops, peak, indexer, procs, balancer=balancer)
             nonfinite_run = nonfinite_run + 1 if record.skipped else 0
             nonfinite_total += int(record.skipped)
             record.nonfinite_total = nonfinite_total
@@ -231,6 +240,7 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
         progress.close()
         jsonl.close()
         tensorboard.close()
+        balancer.remove()
         # Gives the pinned host pool back now: a benchmark calling train() repeatedly in one
         # process would otherwise hold one pool per run until garbage collection.
         parallel.remove()
@@ -263,7 +273,7 @@ class _Discard:
         pass
 
 
-def _train_step(model, optimizer, batch_list, options, step, chunk, device, parallel, flops, peak, indexer, procs) -> StepRecord:
+def _train_step(model, optimizer, batch_list, options, step, chunk, device, parallel, flops, peak, indexer, procs, balancer=None) -> StepRecord:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize(device)
@@ -274,6 +284,13 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, para
     # One count of valid targets for the whole step, every rank's tokens once (docs/parallel.md).
     local_valid = torch.tensor(sum(int(b.valid.sum()) for b in batch_list), dtype=torch.int64, device=device)
     valid_count = int(procs.sum(local_valid))
+    # Weighted targets (--repeat-weight): the loss divides by the step's total weight instead (summed over ranks too).
+    normaliser = valid_count
+    if batch_list[0].weight is not None:
+        local_weight = torch.tensor(sum(float(b.weight.sum(dtype=torch.float64)) for b in batch_list), dtype=torch.float64, device=procs._reduce_device())
+        normaliser = float(procs.sum(local_weight))
+    if balancer is not None:
+        balancer.begin_step(options.batch * options.seq_len, options.seq_len)
     # The indexer's KL is already the whole sequence's on every cp rank (genolong/model/piece.py):
     # each batch rank's sequences weigh 1 / (batch ranks), whatever cp splits them into.
     batch_ranks = procs.coords("batch")[1]
@@ -285,9 +302,11 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, para
             hidden = model.hidden_states(micro.inputs)
             weight = model.lm_head.weight
             if options.memory.chunked_loss:
-                loss = chunked_lm_loss(hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=valid_count)
+                loss = chunked_lm_loss(
+                    hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=normaliser, target_weight=micro.weight
+                )
             else:
-                loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=valid_count)
+                loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=normaliser, target_weight=micro.weight)
         if indexer.backward_lm_loss():
             loss.backward()
         total += loss.detach()
@@ -304,6 +323,12 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, para
     if not skipped:
         optimizer.step(lr, clip_scale(grad_norm, options.grad_clip), only=indexer.update_only())
     optimizer.zero_grad()
+    # The bias moves only with an update of the whole model: a skipped step changes nothing, and
+    # during the indexer warm-up the rest of the model (routers included) stays frozen. Every rank
+    # sums the expert loads over the ranks routing other tokens, so all apply the same update.
+    update_bias = not skipped and indexer.update_only() is None
+    reduce = procs.expert_count_reducer() if procs.pmesh is not None else None
+    balance = balancer.finish_step(update_bias=update_bias, reduce=reduce) if balancer is not None else None
     indexer_metrics = distributed_indexer_metrics(indexer.end_step(), procs)
     if cuda:
         torch.cuda.synchronize(device)
@@ -332,6 +357,9 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, para
         reserved_gpu_gib=reserved_gpu,
         pinned_host_gib=pinned,
         nonfinite_total=0,
+        aux_loss=balance.aux_loss if balance is not None else None,
+        expert_load_max=_by_layer(balance.load_max) if balance is not None else None,
+        expert_load_min=_by_layer(balance.load_min) if balance is not None else None,
         **indexer_metrics,
     )
 
@@ -352,6 +380,11 @@ def distributed_indexer_metrics(metrics: dict, procs) -> dict:
         metrics[f"{key}_layers"] = {n: float(v) for n, v in zip(names, summed.tolist(), strict=True)}
         metrics[key] = sum(metrics[f"{key}_layers"].values()) / len(names)
     return metrics
+
+
+def _by_layer(values: dict[int, float]) -> dict[str, float]:
+    """JSON object keys are strings: {"3": 1.42, ...} per MoE layer."""
+    return {str(layer): value for layer, value in values.items()}
 
 
 # ------------------------------------------------------------------------------ set-up pieces
@@ -595,15 +628,22 @@ def _split(windows, options: TrainOptions, dna_map, device: str, cp: tuple[int, 
     # Shifted before the cp sharding: the last target of a shard is the first input of the next.
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     valid = targets != N_ID
+    weight = None
+    if options.repeat_weight != 1.0:
+        repeats = torch.from_numpy(np.stack([np.asarray(w.repeat_mask, dtype=bool) for w in windows]))[:, 1:]
+        weight = repeat_target_weight(valid, repeats, options.repeat_weight)
     if dna_map is not None:
         inputs, targets = dna_map.cpu()[inputs], dna_map.cpu()[targets]
     inputs, targets, valid = shard_batch(inputs, targets, valid, *cp)
+    if weight is not None:
+        weight = shard_sequence(weight, *cp)
     micro = len(windows) // options.grad_accum
     return [
         _Batch(
             inputs[i : i + micro].to(device, non_blocking=True),
             targets[i : i + micro].to(device, non_blocking=True),
             valid[i : i + micro].to(device, non_blocking=True),
+            weight[i : i + micro].to(device, non_blocking=True) if weight is not None else None,
         )
         for i in range(0, len(windows), micro)
     ]

@@ -18,6 +18,10 @@ the same global count, so summing their gradients gives exactly the gradient of 
 all valid tokens of the step, however unevenly the N bases fall. Per-rank or per-micro-batch
 means would weight a token by the inverse of its own shard's valid count. Callers that split a
 step pass `global_valid_count`; without it the local count is used (one shard = the whole step).
+
+Weighted targets (`target_weight`, e.g. soft-masked repeat bases at 0.1 as Evo 2 does): the loss
+becomes the weighted mean, sum of weight * per-token loss / the step's global sum of weights, by
+the same rule; N targets keep weight 0. `repeat_target_weight` builds those weights.
 """
 
 from __future__ import annotations
@@ -122,12 +126,17 @@ def chunked_lm_loss(
     targets: torch.Tensor,
     valid_mask: torch.Tensor,
     chunk_tokens: int,
-    global_valid_count: int | torch.Tensor | None = None,
+    global_valid_count: int | float | torch.Tensor | None = None,
+    target_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum of per-token loss over valid targets / global valid count (module docstring)."""
+    """Sum of per-token loss over valid targets / global valid count (module docstring).
+
+    With `target_weight` [B, T] (zero where not valid): sum of weight * loss / the global sum of
+    weights, which the caller passes as `global_valid_count` when the step is split.
+    """
     masked = torch.where(valid_mask, targets.long(), IGNORE)
     per_token = chunked_token_loss(hidden, lm_head_weight, masked, chunk_tokens)
-    return per_token.sum() / _count(valid_mask, global_valid_count)
+    return _reduce(per_token, valid_mask, global_valid_count, target_weight)
 
 
 def full_lm_loss(
@@ -135,18 +144,45 @@ def full_lm_loss(
     lm_head_weight: torch.Tensor,
     targets: torch.Tensor,
     valid_mask: torch.Tensor,
-    global_valid_count: int | torch.Tensor | None = None,
+    global_valid_count: int | float | torch.Tensor | None = None,
+    target_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same loss with the full [B, T, vocab] logits: what an out-of-the-box stack does (--baseline)."""
     logits = (hidden @ lm_head_weight.t()).float()
     masked = torch.where(valid_mask, targets.long(), IGNORE)
-    total = F.cross_entropy(logits.flatten(0, 1), masked.flatten(), ignore_index=IGNORE, reduction="sum")
-    return total / _count(valid_mask, global_valid_count)
+    if target_weight is None:
+        total = F.cross_entropy(logits.flatten(0, 1), masked.flatten(), ignore_index=IGNORE, reduction="sum")
+        return total / _count(valid_mask, global_valid_count)
+    per_token = F.cross_entropy(logits.flatten(0, 1), masked.flatten(), ignore_index=IGNORE, reduction="none")
+    return _reduce(per_token.view(masked.shape), valid_mask, global_valid_count, target_weight)
+
+
+def repeat_target_weight(valid_mask: torch.Tensor, repeat_mask: torch.Tensor, repeat_weight: float) -> torch.Tensor:
+    """fp32 per-target weights: 0 for N, `repeat_weight` for soft-masked repeat bases, 1 otherwise."""
+    weight = torch.where(repeat_mask, torch.tensor(float(repeat_weight)), torch.tensor(1.0))
+    return torch.where(valid_mask, weight, torch.tensor(0.0)).to(device=valid_mask.device)
+
+
+def _reduce(per_token: torch.Tensor, valid_mask: torch.Tensor, global_count, target_weight: torch.Tensor | None) -> torch.Tensor:
+    if target_weight is None:
+        return per_token.sum() / _count(valid_mask, global_count)
+    if global_count is None:
+        global_count = target_weight.sum(dtype=torch.float64)
+    return (per_token * target_weight.to(per_token.dtype)).sum() / _weight_total(global_count)
 
 
 def auto_chunk_tokens(vocab_size: int, budget_bytes: int = 1 << 30) -> int:
     """Tokens per loss chunk so that one chunk's fp32 logits take about `budget_bytes` (>= 256 tokens)."""
     return max(256, budget_bytes // (4 * vocab_size))
+
+
+def _weight_total(total) -> torch.Tensor | float:
+    # A step whose weights are all 0 (all N, or all repeats at weight 0) has a zero numerator too:
+    # any positive floor gives loss 0 rather than 0/0, and a real total is never below it.
+    tiny = torch.finfo(torch.float32).tiny
+    if isinstance(total, torch.Tensor):
+        return total.to(torch.float32).clamp_min(tiny)
+    return max(float(total), tiny)
 
 
 def _count(valid_mask: torch.Tensor, global_valid_count) -> torch.Tensor | int:

@@ -33,6 +33,11 @@ class StepRecord:
     reserved_gpu_gib: float | None
     pinned_host_gib: float | None  # peak host bytes holding offloaded layer inputs during the step
     nonfinite_total: int  # skipped steps so far in the run
+    aux_loss: float | None = None  # expert balance loss added to the objective (all MoE layers); None = off
+    # Per MoE layer ("3": value): tokens routed to the busiest / idlest expert over the mean per
+    # expert in this step. No capacity limit exists, so no token is dropped. None without MoE.
+    expert_load_max: dict[str, float] | None = None
+    expert_load_min: dict[str, float] | None = None
     # The DSA indexer (docs/training.md "The indexer"); None while it is frozen / not measured.
     indexer_phase: str | None = None  # "warmup" (only the indexer trains, dense targets) or "sparse"
     indexer_loss: float | None = None  # KL per query, the step's mean, averaged over the DSA layers
@@ -88,10 +93,13 @@ class TensorBoardLog:
     def write(self, record: StepRecord) -> None:
         if self.writer is None:
             return
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_gpu_gib", "pinned_host_gib"):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_gpu_gib", "pinned_host_gib", "aux_loss"):
             value = getattr(record, key)
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(f"train/{key}", value, record.step)
+        for key, name in (("expert_load_max", "load_max"), ("expert_load_min", "load_min")):
+            for layer, value in (getattr(record, key) or {}).items():
+                self.writer.add_scalar(f"experts/{name}/layer_{int(layer):02d}", value, record.step)
         for key in ("indexer_loss", "indexer_recall"):
             value = getattr(record, key)
             if value is not None and math.isfinite(value):
@@ -139,6 +147,8 @@ class Progress:
             parts.append(f"peak {record.peak_gpu_gib:.1f} GiB")
         if record.pinned_host_gib:
             parts.append(f"pinned {record.pinned_host_gib:.1f} GiB")
+        if record.expert_load_max:
+            parts.append(f"busiest expert {max(record.expert_load_max.values()):.1f}x mean")
         if record.indexer_loss is not None:
             parts.append(f"indexer KL {record.indexer_loss:.4f}" + (" (warm-up)" if record.indexer_phase == "warmup" else ""))
         if record.indexer_recall is not None:

@@ -130,6 +130,9 @@ class TrainOptions:
     tensorboard: bool = True
     compile: bool = False  # torch.compile the small ops (mHC, norms, router, SwiGLU; genolong.train.compile)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    balance_rate: float = 1e-3  # expert-bias step per optimizer step (DeepSeek-V3's gamma); 0 = off
+    aux_loss_coeff: float = 0.0  # sequence-wise expert balance loss (DeepSeek-V3 eq. 17-20); 0 = off
+    repeat_weight: float = 1.0  # loss weight of soft-masked (repeat) target bases; Evo 2 uses 0.1
     # The DSA indexer (genolong/train/indexer.py): 0 keeps it frozen, > 0 trains it with its KL loss
     # at this weight; the first `indexer_warmup_steps` steps train only the indexer, against dense
     # attention; every `indexer_recall_every` steps (0: never) log its recall on sampled queries.
@@ -179,6 +182,10 @@ class TrainOptions:
             raise GenolongError(f"--stop-after must be positive, got {self.stop_after}")
         if self.max_nonfinite < 1:
             raise GenolongError(f"max_nonfinite must be >= 1, got {self.max_nonfinite}")
+        if self.balance_rate < 0 or self.aux_loss_coeff < 0:
+            raise GenolongError(f"--balance-rate and --aux-loss-coeff must be >= 0 (0 = off), got {self.balance_rate} and {self.aux_loss_coeff}")
+        if not 0 <= self.repeat_weight <= 1:
+            raise GenolongError(f"--repeat-weight must be in [0, 1] (1 = repeats count fully, 0.1 = Evo 2), got {self.repeat_weight}")
         if self.planted_repeats is not None:
             from genolong.data.planted import PlantSpec
 

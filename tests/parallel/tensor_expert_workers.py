@@ -262,11 +262,16 @@ def check_fp32(ref: dict, results: list[dict], case: str) -> None:
 def check_bf16(ref16: dict, ref32: dict, results: list[dict], case: str) -> None:
     """bf16: losses within 1e-2 relative RMSE of the one-process bf16 run, gradients within 2e-2
     over the model, and per tensor no further from the fp32 gradients than 3x (+1e-3) the
-    one-process bf16 run is: the split run adds no error beyond bf16's own."""
+    one-process bf16 run is: the split run adds no error beyond bf16's own. A tensor's own error
+    is floored at the whole model's: the gradient of a small parameter (an mHC scale: 3 sums over
+    every token) can land by chance within a fraction of a bf16 ulp of fp32's in one run and not
+    in another (after the LM-head init changed, layer 1's attn_hc.scale: 2e-3 one-process, 1.2e-2
+    split, against 1.3e-2 over the whole model)."""
     assert rel_rmse(replica_losses(results, case), ref16["losses"]) < 1e-2
     grads = results[0][case]["grads"]
     keys = sorted(ref32["grads"])
     assert rel_rmse(flat_grads(grads, keys), flat_grads(ref16["grads"], keys)) < 2e-2
+    whole = rel_rmse(flat_grads(ref16["grads"], keys), flat_grads(ref32["grads"], keys))
     for k in keys:
-        own = rel_rmse(ref16["grads"][k], ref32["grads"][k])
+        own = max(rel_rmse(ref16["grads"][k], ref32["grads"][k]), whole)
         assert rel_rmse(grads[k], ref32["grads"][k]) <= 3 * own + 1e-3, k

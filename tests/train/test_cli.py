@@ -46,6 +46,17 @@ def test_memory_flags_reach_the_options(data, tmp_path):
     assert not (b.recompute or b.offload or b.moe_chunking or b.chunked_loss or b.mhc_low_precision or b.offload_pinned)
 
 
+def test_balance_and_repeat_flags_reach_the_options(data, tmp_path):
+    out = tmp_path / "run"
+    args = ["--balance-rate", 0, "--aux-loss-coeff", 1e-4, "--repeat-weight", 0.1]
+    result = _run("--data", data, "--out", out, "--steps", 1, *TINY, *args)
+    assert result.exit_code == 0, result.output
+    options = TrainOptions.from_dict(json.loads((out / "options.json").read_text()))
+    assert (options.balance_rate, options.aux_loss_coeff, options.repeat_weight) == (0.0, 1e-4, 0.1)
+    line = read_jsonl(out / "metrics.jsonl")[0]
+    assert line["aux_loss"] > 0 and set(line["expert_load_max"]) == {"3"}
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -56,6 +67,8 @@ def test_memory_flags_reach_the_options(data, tmp_path):
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--model", "{tmp}/nockpt"], "does not exist"),
         (["--resume", "{tmp}"], "not a genolong run"),
         (["--out", "{tmp}/r"], "needs --data"),
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--repeat-weight", "2"], "--repeat-weight must be in [0, 1]"),
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--balance-rate", "-1"], "--balance-rate and --aux-loss-coeff must be >= 0"),
     ],
 )
 def test_bad_input_is_one_line(data, tmp_path, args, message):

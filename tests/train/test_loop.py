@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,3 +174,20 @@ def test_expandable_segments_are_the_default_but_a_user_allocator_setting_wins()
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         user = {name: "max_split_size_mb:512"}
         assert not default_cuda_allocator(user) and user == {name: "max_split_size_mb:512"}
+
+
+def test_repeat_weight_weights_the_soft_masked_targets(data):
+    from genolong.train.loop import _open_sampler, _split
+
+    options = tiny_options(data, data, seq_len=512, batch=2, grad_accum=2, repeat_weight=0.1)
+    windows = [w for w, _ in zip(_open_sampler(options), range(2))]
+    batches = _split(windows, options, None, "cpu")
+    repeats = torch.from_numpy(np.stack([w.repeat_mask for w in windows]))[:, 1:]
+    weight = torch.cat([b.weight for b in batches])
+    valid = torch.cat([b.valid for b in batches])
+    assert (repeats & valid).any() and (~repeats & valid).any()
+    assert torch.equal(weight[valid & repeats], torch.full_like(weight[valid & repeats], 0.1))
+    assert torch.equal(weight[valid & ~repeats], torch.ones_like(weight[valid & ~repeats]))
+    assert weight[~valid].abs().sum() == 0
+    options.repeat_weight = 1.0
+    assert all(b.weight is None for b in _split(windows, options, None, "cpu"))  # the unweighted path, unchanged

@@ -10,6 +10,7 @@ from genolong.train.loss import (
     chunked_lm_loss,
     chunked_token_loss,
     full_lm_loss,
+    repeat_target_weight,
 )
 from genolong.vocab import N_ID
 
@@ -99,6 +100,69 @@ def test_all_n_window_gives_zero_loss_not_nan():
     loss.backward()
     assert loss.item() == 0.0
     assert torch.isfinite(hidden.grad).all() and hidden.grad.abs().sum() == 0
+
+
+def _repeat_case(seed=3):
+    hidden, weight, targets = _inputs(b=2, t=41, v=8, seed=seed)
+    targets = targets.remainder(5)  # DNA ids: A C G T N
+    valid = targets != N_ID
+    repeats = torch.rand(targets.shape, generator=torch.Generator().manual_seed(seed)) < 0.4
+    assert (valid & repeats).any() and (valid & ~repeats).any() and (~valid).any()
+    return hidden, weight, targets, valid, repeats
+
+
+def _grads(loss, *tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+def test_repeat_weight_one_is_exactly_the_unweighted_loss():
+    hidden, weight, targets, valid, repeats = _repeat_case()
+    ones = repeat_target_weight(valid, repeats, 1.0)
+    count = int(valid.sum())
+    plain = chunked_lm_loss(hidden, weight, targets, valid, 16, count)
+    weighted = chunked_lm_loss(hidden, weight, targets, valid, 16, float(ones.sum()), ones)
+    assert torch.equal(plain, weighted)
+    for a, b in zip(_grads(plain, hidden, weight), _grads(weighted, hidden, weight)):
+        assert torch.equal(a, b)
+    # The full-logits path sums the per-token losses in another order than cross_entropy's own sum.
+    plain = full_lm_loss(hidden, weight, targets, valid, count)
+    weighted = full_lm_loss(hidden, weight, targets, valid, float(ones.sum()), ones)
+    torch.testing.assert_close(plain, weighted, rtol=1e-6, atol=0)
+
+
+def test_repeat_weight_zero_is_the_loss_over_non_repeat_bases():
+    hidden, weight, targets, valid, repeats = _repeat_case()
+    zero = repeat_target_weight(valid, repeats, 0.0)
+    assert zero[~valid].abs().sum() == 0 and zero[repeats].abs().sum() == 0
+    for loss in (chunked_lm_loss, lambda *a, **k: full_lm_loss(*a[:4], **k)):
+        got = loss(hidden, weight, targets, valid, 16, target_weight=zero)
+        want = loss(hidden, weight, targets, valid & ~repeats, 16)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(_grads(got, hidden, weight), _grads(want, hidden, weight)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_weighted_loss_and_gradients_match_a_direct_computation_and_split_by_the_global_total():
+    hidden, weight, targets, valid, repeats = _repeat_case()
+    w = repeat_target_weight(valid, repeats, 0.1)
+    per_token = _reference_token_loss(hidden, weight, torch.where(valid, targets, IGNORE))
+    want = (per_token * w.double()).sum() / w.double().sum()
+    want_grads = _grads(want, hidden, weight)
+    got = chunked_lm_loss(hidden, weight, targets, valid, 7, target_weight=w)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-9)
+    for a, b in zip(_grads(got, hidden, weight), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    # Micro-batches that each divide by the step's total weight add up to the whole step.
+    total = float(w.sum(dtype=torch.float64))
+    split = sum(chunked_lm_loss(hidden[i : i + 1], weight, targets[i : i + 1], valid[i : i + 1], 7, total, w[i : i + 1]) for i in range(2))
+    for a, b in zip(_grads(split, hidden, weight), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_all_weights_zero_gives_zero_loss_not_nan():
+    hidden, weight, targets, valid, repeats = _repeat_case()
+    loss = chunked_lm_loss(hidden, weight, targets, valid, 8, target_weight=torch.zeros(targets.shape))
+    assert loss.item() == 0.0 and all(torch.isfinite(g).all() for g in _grads(loss, hidden, weight))
 
 
 class _LargestTensor(TorchDispatchMode):
