@@ -98,9 +98,10 @@ def test_tilelang_path_returns_the_natural_lse_and_minus_inf_for_empty_rows(monk
     plain_q, plain_kv = q.clone().requires_grad_(), kv.clone().requires_grad_()
     dsa.sparse_attention(plain_q, plain_kv, idx, scale=0.05, backend=dsa.emulated_backend(), budget_bytes=1).backward(dout)
     # Asking for the lse must not change the gradients (equal up to the summation order of the
-    # multi-threaded scatter-adds into dkv).
-    torch.testing.assert_close(qa.grad, plain_q.grad, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(kva.grad, plain_kv.grad, rtol=1e-6, atol=1e-6)
+    # multi-threaded scatter-adds into dkv). 1e-5: a few ulps of fp32 sums over ~100 terms; a real
+    # change of the gradients by the lse path would be orders of magnitude larger.
+    torch.testing.assert_close(qa.grad, plain_q.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kva.grad, plain_kv.grad, rtol=1e-5, atol=1e-5)
     assert (out - ref_out).abs().max() < 1e-4
 
 
