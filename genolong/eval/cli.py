@@ -80,6 +80,7 @@ def eval_positional(
     from genolong.eval import markov, models
     from genolong.eval.positional import Layout, ModelScorer
     from genolong.eval.run import Settings, evaluate
+    from genolong.eval import runtime
     from genolong.model import ops
     from genolong.train.memory import apply_memory_optimizations
     from genolong.train.options import MemoryOptions
@@ -111,21 +112,9 @@ def eval_positional(
     resolved = {"checkpoint": models.resolve(checkpoint, "--checkpoint")}
     resolved["baseline"] = models.resolve(baseline, "--baseline") if baseline else models.default_baseline(checkpoint)
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GenolongError(f"--device {device} but no CUDA GPU is visible; use --device cpu")
+    dev = runtime.pick_device(device)
     share, dev, pmesh = _rank_share(parallel, dev)
-    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-    dtype_name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    if dtype_name not in dtypes:
-        raise GenolongError(f"--dtype must be bfloat16 or float32, got {dtype_name!r}")
-    policy = kernels or ("fused" if dev.type == "cuda" else "reference")
-    if policy not in ops.POLICIES:
-        raise GenolongError(f"--kernels must be one of {', '.join(ops.POLICIES)}, got {policy!r}")
-    if policy != "reference":
-        import genolong.kernels
-
-        genolong.kernels.load()
+    dtype_name, policy = runtime.pick_dtype_and_kernels(dev, dtype, kernels)
 
     pg = open_prepared(data)
     holdout = [r for r in pg.records("holdout")] if "holdout" in pg.splits else []
@@ -142,7 +131,7 @@ def eval_positional(
         )
 
     def make_scorer(role: str) -> ModelScorer:
-        model = models.load(resolved[role], dtypes[dtype_name], dev)
+        model = models.load(resolved[role], runtime.DTYPES[dtype_name], dev)
         # As in training, MoE runs over the sequence in chunks: uneven real routing must not
         # spike memory at 512k (seed optimization 8). Recompute and offload only matter with a
         # backward pass, and there is none here.
@@ -167,7 +156,7 @@ def eval_positional(
         max_n_fraction=max_n_fraction,
         n_boot=bootstrap,
         seed=seed,
-        dtype=dtype_name.replace("bf16", "bfloat16").replace("fp32", "float32"),
+        dtype=dtype_name,
         overwrite=overwrite,
         progress=progress,
     )

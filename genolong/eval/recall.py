@@ -31,13 +31,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from genolong.data.planted import PlantedWindow, plant_window, window_rng
 from genolong.data.sampler import Window
 from genolong.errors import GenolongError
 from genolong.eval.positional import ModelScorer, WindowScore
+from genolong.eval.run import window_progress
 from genolong.eval.store import PartialResults
 from genolong.units import format_length
 
@@ -139,19 +138,6 @@ def planted_windows(tiles: Iterable[Window], layout: RecallLayout, seed: int, li
             return
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("windows"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(file=sys.stderr),
-        disable=not enabled,
-    )
-
-
 def evaluate(
     settings: RecallSettings,
     specs: dict,
@@ -193,7 +179,7 @@ def evaluate(
     }
     partial = PartialResults(settings.out_dir, fingerprint, overwrite=settings.overwrite)
     ops.reset_audit()
-    with _progress(settings.progress) as bar:
+    with window_progress(settings.progress) as bar:
         for role, spec in specs.items():
             todo = sum(not partial.done(role, k) for k in keys)
             if todo == 0:

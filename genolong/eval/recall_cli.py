@@ -47,12 +47,11 @@ def eval_recall(
     on ordinary DNA at the copy's place, and the recall 1 - copy/first, with 95% bootstrap
     intervals over windows. Resumable: rerun the same command after an interruption. See docs/recall.md.
     """
-    import torch
-
     from genolong.data import open_prepared, tile_windows
     from genolong.eval import models
     from genolong.eval.positional import ModelScorer
     from genolong.eval.recall import RecallLayout, RecallSettings, evaluate
+    from genolong.eval import runtime
     from genolong.model import ops
     from genolong.train.memory import apply_memory_optimizations
     from genolong.train.options import MemoryOptions
@@ -83,20 +82,8 @@ def eval_recall(
         if seen[r.spec.label] > 1:
             r.spec.label = f"{r.spec.label} #{seen[r.spec.label]}"
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GenolongError(f"--device {device} but no CUDA GPU is visible; use --device cpu")
-    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-    dtype_name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    if dtype_name not in dtypes:
-        raise GenolongError(f"--dtype must be bfloat16 or float32, got {dtype_name!r}")
-    policy = kernels or ("fused" if dev.type == "cuda" else "reference")
-    if policy not in ops.POLICIES:
-        raise GenolongError(f"--kernels must be one of {', '.join(ops.POLICIES)}, got {policy!r}")
-    if policy != "reference":
-        import genolong.kernels
-
-        genolong.kernels.load()
+    dev = runtime.pick_device(device)
+    dtype_name, policy = runtime.pick_dtype_and_kernels(dev, dtype, kernels)
 
     pg = open_prepared(data)
     records = pg.records(split)
@@ -111,7 +98,7 @@ def eval_recall(
         )
 
     def make_scorer(role: str) -> ModelScorer:
-        model = models.load(resolved[role], dtypes[dtype_name], dev)
+        model = models.load(resolved[role], runtime.DTYPES[dtype_name], dev)
         # MoE over the sequence in chunks, as in training and eval-positional; no backward here.
         apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
         # Bits over A, C, G, T (the model's probabilities renormalised over the four bases), as eval-positional.
@@ -125,7 +112,7 @@ def eval_recall(
         max_n_fraction=max_n_fraction,
         n_boot=bootstrap,
         seed=seed,
-        dtype=dtype_name.replace("bf16", "bfloat16").replace("fp32", "float32"),
+        dtype=dtype_name,
         overwrite=overwrite,
         progress=progress,
         meta={"data_path": str(Path(data).resolve())},

@@ -141,7 +141,8 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _progress(enabled: bool) -> Progress:
+def window_progress(enabled: bool) -> Progress:
+    """The progress bar over scored windows (stderr; off when `enabled` is false)."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -210,7 +211,7 @@ def evaluate(
     if callable(markov) and share.main:
         markov = markov()
 
-    with _progress(settings.progress and share.main) as bar:
+    with window_progress(settings.progress and share.main) as bar:
         for role in ROLES:
             todo = sum(not partial.done(role, k) for k in keys)
             if todo == 0:
