@@ -88,6 +88,9 @@ def parser(description: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--eval-windows", type=int, default=23)
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--no-eval", action="store_true", help="train only")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="prepare the data and the initial model, then stop (before arms start side by side, so they do not race)")
+    p.add_argument("--eval-only", action="store_true", help="no training: score the initial model and every finished arm in OUT")
     p.add_argument("--eval-short-stages", action=argparse.BooleanOptionalAction, default=True,
                    help="also score every arm's short stage (ARM-short)")
     p.add_argument("--steps-like", default=None, metavar="ARM",
@@ -104,11 +107,13 @@ def parser(description: str, **defaults) -> argparse.ArgumentParser:
 
 
 class Log:
-    def __init__(self, path: Path) -> None:
-        self.path, self.t0 = path, time.time()
+    """Timestamped lines to stdout and OUT/log.txt; `tag` (the arm) tells apart arms that run side by side."""
+
+    def __init__(self, path: Path, tag: str = "") -> None:
+        self.path, self.t0, self.tag = path, time.time(), tag
 
     def __call__(self, msg: str) -> None:
-        line = f"[{time.time() - self.t0:7.1f} s] {msg}"
+        line = f"[{time.time() - self.t0:7.1f} s]{' ' + self.tag if self.tag else ''} {msg}"
         print(line, flush=True)
         with open(self.path, "a") as f:
             f.write(line + "\n")
@@ -345,12 +350,17 @@ def main(args) -> int:
     work = Path(args.work or args.out)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    log = Log(out / "log.txt")
+    log = Log(out / "log.txt", tag="" if args.prepare_only or args.eval_only else args.arm)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         data = prepare_data(args, work, log)
         init = initial_model(args, work, log)
+        if args.prepare_only:
+            return 0
+        if args.eval_only:
+            evaluate_arms(args, out, data, init, log)
+            return 0
         start = model_dir(Path(args.init_from)) if args.init_from else init
         # The same learning-rate schedule, cut where the other arm was cut.
         args.stop_at = None

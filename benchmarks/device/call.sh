@@ -42,6 +42,13 @@ for stage in "$@"; do
     # recalltrained in the same call (same machine: shared data, initial model, kernel caches).
     recallfrozen) cmd="python3 benchmarks/recall_gpu.py --work /tmp/recall_gpu --out $OUT/recall --arm frozen --budget-s $(( limit - 15 )) ${RECALL_ARGS:-}" ;;
     recalltrained) cmd="python3 benchmarks/recall_gpu.py --work /tmp/recall_gpu --out $OUT/recall --arm trained --indexer-loss-coeff 1 --steps-like frozen --budget-s $(( limit - 15 )) ${RECALL_ARGS:-}" ;;
+    # Both arms side by side on the one GPU (two processes; the 8-layer model at 64k needs ~49 GiB each), then
+    # one evaluation of both: about twice the training per device-second of running them one after the other.
+    # The arms train the same fixed schedule; --budget-s only cuts a stage that would overrun (recorded in arm.json).
+    recallboth) cmd="R='python3 benchmarks/recall_gpu.py --work /tmp/recall_gpu --out $OUT/recall ${RECALL_ARGS:-}'; \$R --prepare-only && \
+      { \$R --arm frozen --no-eval --eval-reserve-s 0 --budget-s $(( limit - 110 )) > $OUT/recall_frozen.log 2>&1 & \
+        \$R --arm trained --indexer-loss-coeff 1 --no-eval --eval-reserve-s 0 --budget-s $(( limit - 110 )) > $OUT/recall_trained.log 2>&1 & wait; } && \
+      \$R --eval-only" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)
