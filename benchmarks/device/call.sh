@@ -5,6 +5,8 @@
 #   ablation / sparse / recall / scratch stages.
 # Kernel caches (Triton, TileLang) live in .kcache/ (git-ignored); they are packed into
 # $OUT/kcache.tar.xz at the end so a later call can carry them and skip recompilation.
+# Budget a call as: prologue (~10-40 s: unpack caches, prepare the bundled genome) + the stages' limits
+# + packing (~10-20 s) <= the run's timeout: a call that overruns loses its files.
 set -u
 source .device/activate.sh
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -55,4 +57,7 @@ for stage in "$@"; do
   timeout "$limit" bash -c "$cmd" > "$OUT/$name.log" 2>&1
   echo "rc=$? $(( $(date +%s) - start ))s"; tail -n 25 "$OUT/$name.log"
 done
-tar -cJf "$OUT/kcache.tar.xz" -C .kcache triton tilelang 2>/dev/null; ls -la "$OUT/kcache.tar.xz"
+# The device returns a limited number of files: each stage's output directory comes back as one archive.
+for d in "$OUT"/*/; do [ -d "$d" ] && tar -czf "${d%/}.tar.gz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
+# NO_KCACHE=1 skips packing the kernel caches (~10-20 s) when a call is near its time limit.
+[ -n "${NO_KCACHE:-}" ] || { tar -cJf "$OUT/kcache.tar.xz" -C .kcache triton tilelang 2>/dev/null; ls -la "$OUT/kcache.tar.xz"; }
