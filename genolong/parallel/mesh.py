@@ -70,8 +70,12 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> tuple[
             )
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **timeout)
+        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        if device_type == "cuda":
+            # Binding the group to this rank's GPU up front: NCCL otherwise guesses the device per
+            # collective and warns that a wrong guess can hang ("No device id is provided ...").
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **kwargs)
     return rank, world_size
 
 
