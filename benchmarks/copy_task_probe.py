@@ -15,8 +15,10 @@ steps at lr 3e-3 and through 360 at lr 1e-2 (~5 s per step on the loaded machine
 """
 
 import argparse
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -40,40 +42,54 @@ class DenseReference(nn.Module):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("transformer", "tiny"), default="transformer")
+    p.add_argument("--model", choices=("transformer", "tiny", "preset"), default="transformer")
+    p.add_argument("--preset", default="tiny", help="with --model preset: which genolong preset")
+    p.add_argument("--overrides", default="{}",
+                   help='JSON for get_preset (tiny / preset), e.g. \'{"hidden": 128}\'; the indexer top-k is raised to cover '
+                   "the whole sequence unless given, so that the DSA layers are dense and can see the first half")
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--every", type=int, default=20, help="print every this many steps")
+    p.add_argument("--out", default=None, help="write the curve (step, first-half bits, copy bits, seconds) as JSON here")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    if args.model == "tiny":
+    dev = torch.device(args.device)
+    if args.model in ("tiny", "preset"):
         from genolong.model import GenoLongForCausalLM, get_preset
 
-        lm = GenoLongForCausalLM(get_preset("tiny"))
+        overrides = json.loads(args.overrides)
+        dsa = overrides.setdefault("dsa", {})
+        dsa.setdefault("indexer", {}).setdefault("topk", 4 * ((2 * args.length + 3) // 4))
+        lm = GenoLongForCausalLM(get_preset("tiny" if args.model == "tiny" else args.preset, **overrides)).to(dev)
 
         def model(ids):
             return lm(ids).logits
     else:
-        lm = DenseReference(args.length)
+        lm = DenseReference(args.length).to(dev)
         model = lm
-    opt = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0)
-    L, t0 = args.length, time.time()
+    opt = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    L, t0, curve = args.length, time.time(), []
     for step in range(args.steps):
         block = torch.randint(0, 4, (args.batch, L))
-        ids = torch.cat([block, block], 1)
+        ids = torch.cat([block, block], 1).to(dev)
         logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits[..., :4].reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(args.batch, -1)
+        loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(args.batch, -1)
         opt.zero_grad()
         loss.mean().backward()
         torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
         opt.step()
-        if step % 20 == 0:
+        if step % args.every == 0 or step == args.steps - 1:
             first = loss[:, : L - 1].mean().item() / math.log(2)
             copy = loss[:, L + 8 :].mean().item() / math.log(2)  # after the first 8 bases of the copy
+            curve.append((step, round(first, 4), round(copy, 4), round(time.time() - t0, 1)))
             print(f"step {step:5d}  first half {first:.3f} bits  copy {copy:.3f} bits  {time.time() - t0:.0f} s", flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps({"args": vars(args), "curve": curve}) + "\n")
 
 
 if __name__ == "__main__":

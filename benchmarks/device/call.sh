@@ -51,6 +51,8 @@ for stage in "$@"; do
       { \$R --arm frozen --no-eval --eval-reserve-s 0 --budget-s $(( limit - 110 )) > $OUT/recall_frozen.log 2>&1 & \
         \$R --arm trained --indexer-loss-coeff 1 --no-eval --eval-reserve-s 0 --budget-s $(( limit - 110 )) > $OUT/recall_trained.log 2>&1 & wait; } && \
       \$R --eval-only" ;;
+    # How many steps each model needs before it copies: several probes at once on the one GPU (benchmarks/device/copyprobe.sh).
+    copyprobe) cmd="bash benchmarks/device/copyprobe.sh $OUT/copyprobe $(( limit - 10 ))" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)
