@@ -26,8 +26,9 @@ import torch.nn.functional as F
 
 
 class DenseReference(nn.Module):
-    def __init__(self, length: int, hidden: int = 64) -> None:
+    def __init__(self, length: int, hidden: int = 64, positions: bool = True) -> None:
         super().__init__()
+        self.positions = positions
         self.emb = nn.Embedding(8, hidden)
         self.pos = nn.Embedding(2 * length, hidden)
         layer = nn.TransformerEncoderLayer(hidden, 2, 4 * hidden, dropout=0.0, batch_first=True, norm_first=True)
@@ -36,8 +37,11 @@ class DenseReference(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(t)
-        return self.head(self.blocks(self.emb(ids) + self.pos(torch.arange(t)), mask=mask, is_causal=True))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=ids.device)
+        x = self.emb(ids)
+        if self.positions:  # without them (NoPE) the only position signal is the causal mask, as in genolong's MLA
+            x = x + self.pos(torch.arange(t, device=ids.device))
+        return self.head(self.blocks(x, mask=mask, is_causal=True))
 
 
 def main() -> None:
@@ -53,6 +57,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--no-positions", action="store_true", help="transformer: no learned positions (NoPE)")
     p.add_argument("--every", type=int, default=20, help="print every this many steps")
     p.add_argument("--out", default=None, help="write the curve (step, first-half bits, copy bits, seconds) as JSON here")
     args = p.parse_args()
@@ -70,7 +75,7 @@ def main() -> None:
         def model(ids):
             return lm(ids).logits
     else:
-        lm = DenseReference(args.length).to(dev)
+        lm = DenseReference(args.length, positions=not args.no_positions).to(dev)
         model = lm
     opt = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     L, t0, curve = args.length, time.time(), []
