@@ -50,7 +50,9 @@ class HyperConnection(nn.Module):
 
     def expand(self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The new streams after the sublayer (see `expand`); a method so that it can be swapped per instance."""
-        return expand(post, comb, out, residual)
+        from genolong.model import mhc_eager
+
+        return mhc_eager.expand(post, comb, out, residual)
 
 
 def mix_weights(streams, fn, base, scale, *, n: int, eps: float, rms_eps: float):

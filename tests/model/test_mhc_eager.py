@@ -69,3 +69,39 @@ def test_collapse_in_bfloat16_is_the_reference():
     g = torch.Generator().manual_seed(5)
     pre, streams = torch.rand(1, 6, 4, generator=g), torch.randn(1, 6, 4, 32, generator=g).bfloat16()
     assert torch.equal(mhc_eager.collapse(pre, streams), mhc.collapse(pre, streams))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_expand_values_and_gradients_equal_the_reference(dtype):
+    g = torch.Generator().manual_seed(6)
+    post = torch.rand(2, 9, 4, generator=g, dtype=dtype) * 2
+    comb = torch.rand(2, 9, 4, 4, generator=g, dtype=dtype)
+    out = torch.randn(2, 9, 16, generator=g, dtype=dtype)
+    residual = torch.randn(2, 9, 4, 16, generator=g, dtype=dtype)
+    dy = torch.randn(2, 9, 4, 16, generator=g, dtype=dtype)
+    a, b = [[t.clone().requires_grad_() for t in (post, comb, out, residual)] for _ in range(2)]
+    got, want = mhc_eager.expand(*a), mhc.expand(*b)
+    (got * dy).sum().backward()
+    (want * dy).sum().backward()
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got, want, **tol)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.grad, y.grad, **tol)
+
+
+def test_expand_gradcheck_and_partial_gradients():
+    g = torch.Generator().manual_seed(7)
+    args = [torch.rand(1, 3, 4, generator=g, dtype=torch.float64), torch.rand(1, 3, 4, 4, generator=g, dtype=torch.float64),
+            torch.randn(1, 3, 5, generator=g, dtype=torch.float64), torch.randn(1, 3, 4, 5, generator=g, dtype=torch.float64)]
+    assert torch.autograd.gradcheck(mhc_eager.expand, [t.requires_grad_() for t in args])
+    # Only the residual needs a gradient (a frozen sublayer): the others come back as None.
+    frozen = [t.detach() for t in args[:3]] + [args[3].detach().requires_grad_()]
+    mhc_eager.expand(*frozen).sum().backward()
+    torch.testing.assert_close(frozen[3].grad, args[1].detach().sum(-1, keepdim=True).expand(1, 3, 4, 5))
+
+
+def test_expand_in_bfloat16_is_the_reference():
+    g = torch.Generator().manual_seed(8)
+    post, comb = torch.rand(1, 5, 4, generator=g), torch.rand(1, 5, 4, 4, generator=g)
+    out, residual = torch.randn(1, 5, 8, generator=g).bfloat16(), torch.randn(1, 5, 4, 8, generator=g).bfloat16()
+    assert torch.equal(mhc_eager.expand(post, comb, out, residual), mhc.expand(post, comb, out, residual))
