@@ -10,6 +10,9 @@
    --no-offload` runs it, `--train-steps` steps per length on the bundled genome: the median
    step time and tokens/s over the steps after the first (the first includes warm-up).
 
+Like CPU training (genolong/train/host_allocator.py), the benchmark keeps freed host memory in
+the process; `--default-malloc` measures with glibc's defaults instead.
+
 Wall time is what a user waits; process CPU time (all threads of this process) is what the work
 costs, and stays meaningful when other processes share the cores: the table gives both, the
 thread count and the 1-minute load average before each measurement. With `--out`, the table, a
@@ -131,18 +134,33 @@ def main(argv=None) -> int:
     p.add_argument("--data", default=None, help="a prepared genome (default: prepare the bundled one into a temp dir)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--budget-s", type=float, default=600.0)
+    p.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's malloc thresholds at their defaults (training on the CPU raises them: genolong/train/host_allocator.py)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.train_steps == 1:
         p.error("--train-steps must be 0 or at least 2 (the first step is warm-up)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.default_malloc:
+        import genolong.train.loop
+
+        # train() runs in this process and would raise the thresholds: not here.
+        genolong.train.loop.keep_freed_host_memory = lambda: False
+    else:
+        from genolong.train.host_allocator import keep_freed_host_memory
+
+        keep_freed_host_memory()
     start = time.perf_counter()
     lengths = [parse_length(x) for x in args.lengths.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench_cpu_"))
     machine = {
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "malloc": "glibc defaults" if args.default_malloc else "genolong.train.host_allocator",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),

@@ -28,6 +28,9 @@ from genolong.model.piece import SequencePiece
 
 # Upper bound on score-matrix elements per query chunk in the reference (fp32: 256 MiB).
 _SCORE_ELEMENTS = 1 << 26
+# On the CPU, chunks small enough to stay in cache (4 MiB of scores): fresh 256 MiB temporaries
+# cost page faults and memory passes that made the 2k `tiny` indexer several times slower.
+_CPU_SCORE_ELEMENTS = 1 << 20
 
 
 def indexer_topk_reference(
@@ -55,23 +58,30 @@ def indexer_topk_reference(
     width = topk_pools * kpool + (kpool - 1 if always_select_tail else 0)
     out = torch.full((batch, seq, width), -1, dtype=torch.int32, device=device)
 
-    keys_t = pool_keys[:, :n_pools].float().transpose(-1, -2).unsqueeze(1)  # [B, 1, D, P]
+    keys_t = pool_keys[:, :n_pools].float().transpose(-1, -2)  # [B, D, P]
     in_pool = torch.arange(kpool, device=device)
-    step = max(1, _SCORE_ELEMENTS // max(1, batch * heads * n_pools))
+    limit = _SCORE_ELEMENTS if device.type != "cpu" else min(_SCORE_ELEMENTS, _CPU_SCORE_ELEMENTS)
+    step = max(1, limit // max(1, batch * heads * n_pools))
     for t0 in range(0, seq, step):
         t1 = min(seq, t0 + step)
         t = torch.arange(query_offset + t0, query_offset + t1, device=device)
-        # Pools whose last token is at or before the query: p < (t + 1) // kpool.
+        # Pools whose last token is at or before the query: p < (t + 1) // kpool; none of the
+        # chunk's queries sees past the last one's pools, so the later ones are not scored.
         n_visible = (t + 1) // kpool
-        if select > 0:
-            scores = F.relu(torch.matmul(index_q[:, t0:t1].float(), keys_t) * softmax_scale)  # [B, t, H, P]
+        chunk_pools = min(n_pools, (query_offset + t1) // kpool)
+        chunk_select = min(select, chunk_pools)
+        if chunk_select > 0:
+            # All the chunk's heads against the pools in one product: [B, t * H, D] x [B, D, P].
+            q = index_q[:, t0:t1].float()
+            scores = torch.matmul(q.flatten(1, 2), keys_t[..., :chunk_pools]).view(batch, t1 - t0, heads, chunk_pools)
+            scores = F.relu(scores * softmax_scale)  # [B, t, H, P]
             scores = torch.matmul(head_weights[:, t0:t1].float().unsqueeze(-2), scores).squeeze(-2)  # [B, t, P]
-            visible = torch.arange(n_pools, device=device) < n_visible[:, None]
+            visible = torch.arange(chunk_pools, device=device) < n_visible[:, None]
             scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-            pools = scores.topk(select, dim=-1).indices  # [B, t, select]
+            pools = scores.topk(chunk_select, dim=-1).indices  # [B, t, chunk_select]
             tokens = pools.unsqueeze(-1) * kpool + in_pool
             tokens = tokens.masked_fill((pools >= n_visible[:, None]).unsqueeze(-1), -1)
-            out[:, t0:t1, : select * kpool] = tokens.flatten(-2).to(torch.int32)
+            out[:, t0:t1, : chunk_select * kpool] = tokens.flatten(-2).to(torch.int32)
         if always_select_tail and kpool > 1:
             n_tail = (t + 1) % kpool
             tail = (t + 1 - n_tail)[:, None] + in_pool[:-1]

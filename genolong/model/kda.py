@@ -161,9 +161,13 @@ ops.register("kda", ops.REFERENCE, kda_reference)
 def short_conv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The "kda_short_conv" op (docs/ops.md): SiLU(causal depthwise conv) over x [B, T, C] with
     weight [C, W], computed in the weight's dtype (fp32), returned in x's dtype."""
-    seq, width = x.shape[1], weight.shape[-1]
-    out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), padding=width - 1, groups=weight.shape[0])
-    return F.silu(out[..., :seq]).transpose(1, 2).to(x.dtype)
+    width = weight.shape[-1]
+    # Zeros on the left only, so the conv's output is exactly the T causal positions (no slice);
+    # returned contiguous in [B, T, C]: a transposed view made every later op on q, k, v (norms,
+    # gates, the chunked recurrence) stride across channels, several times slower on the CPU.
+    padded = F.pad(x.transpose(1, 2).to(weight.dtype), (width - 1, 0))
+    out = F.silu(F.conv1d(padded, weight.unsqueeze(1), groups=weight.shape[0]))
+    return out.transpose(1, 2).to(x.dtype, memory_format=torch.contiguous_format)
 
 
 ops.register("kda_short_conv", ops.REFERENCE, short_conv_reference)

@@ -15,7 +15,8 @@ dtype. In fp32 this is the reference's arithmetic up to rounding.
 
 The math is in module-level functions of tensors (`mix_weights`, `sinkhorn`, `collapse`,
 `expand`) so that genolong.train.compile can compile them once for every layer; the modules
-only hold the parameters. These eager functions are the references of the fused versions.
+only hold the parameters. These eager functions are the references of the fused versions and of
+the faster eager ones that `HyperConnection` runs (genolong/model/mhc_eager.py).
 """
 
 from __future__ import annotations
@@ -41,13 +42,17 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B,T,n,D] -> (post fp32 [B,T,n], comb fp32 [B,T,n,n], collapsed [B,T,D])."""
+        from genolong.model import mhc_eager  # the faster eager versions of this module's references
+
         pre, post, comb = mix_weights(streams, self.fn, self.base, self.scale, n=self.n, eps=self.eps, rms_eps=self.rms_eps)
-        comb = sinkhorn(comb, self.sinkhorn_iters, self.eps)
-        return post, comb, collapse(pre, streams)
+        comb = mhc_eager.sinkhorn(comb, self.sinkhorn_iters, self.eps)
+        return post, comb, mhc_eager.collapse(pre, streams)
 
     def expand(self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The new streams after the sublayer (see `expand`); a method so that it can be swapped per instance."""
-        return expand(post, comb, out, residual)
+        from genolong.model import mhc_eager
+
+        return mhc_eager.expand(post, comb, out, residual)
 
 
 def mix_weights(streams, fn, base, scale, *, n: int, eps: float, rms_eps: float):

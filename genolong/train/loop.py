@@ -56,6 +56,7 @@ from genolong.train import checkpoint as ckpt_io
 from genolong.train import distributed
 from genolong.train.balance import ExpertBalancer
 from genolong.train.flops import peak_flops, step_flops
+from genolong.train.host_allocator import keep_freed_host_memory
 from genolong.train.indexer import IndexerTraining, trainable_parameters
 from genolong.train.loss import (
     auto_chunk_tokens,
@@ -146,6 +147,8 @@ def _train_locked(options: TrainOptions) -> list[dict]:
 def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     device = procs.device
     dtype = resolve_dtype(options, device)
+    if device.startswith("cpu"):
+        keep_freed_host_memory()  # genolong/train/host_allocator.py: ~14k page faults per 2k tiny step otherwise
     run_dir = Path(options.out)
     resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
     # Before the run directory is touched: a run refused for memory leaves nothing to clean up.
