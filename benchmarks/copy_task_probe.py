@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 
 class DenseReference(nn.Module):
-    def __init__(self, length: int, hidden: int = 64, positions: bool = True) -> None:
+    def __init__(self, max_len: int, hidden: int = 64, positions: bool = True) -> None:
         super().__init__()
         self.positions = positions
         self.emb = nn.Embedding(8, hidden)
-        self.pos = nn.Embedding(2 * length, hidden)
+        self.pos = nn.Embedding(max_len, hidden)
         layer = nn.TransformerEncoderLayer(hidden, 2, 4 * hidden, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(hidden, 8)
@@ -42,6 +42,22 @@ class DenseReference(nn.Module):
         if self.positions:  # without them (NoPE) the only position signal is the causal mask, as in genolong's MLA
             x = x + self.pos(torch.arange(t, device=ids.device))
         return self.head(self.blocks(x, mask=mask, is_causal=True))
+
+
+def copy_batch(batch: int, length: int, max_gap: int):
+    """Rows of [random prefix][L-mer][random gap][the L-mer again], 2L + G bases each, the gap
+    U[0, G] and the prefix G - gap; with the masks (over the 2L + G - 1 next-base targets) of the
+    first L-mer's predictable targets and of the copy's targets."""
+    ids = torch.randint(0, 4, (batch, 2 * length + max_gap))
+    gap = torch.randint(0, max_gap + 1, (batch,))
+    start = max_gap - gap  # of the first L-mer
+    copy_start = start + length + gap
+    rows = torch.arange(batch)[:, None]
+    ids[rows, copy_start[:, None] + torch.arange(length)] = ids[rows, start[:, None] + torch.arange(length)]
+    target = torch.arange(1, 2 * length + max_gap)  # the base each target position predicts
+    first = (target > start[:, None]) & (target < (start + length)[:, None])
+    copy = (target >= copy_start[:, None]) & (target < (copy_start + length)[:, None])
+    return ids, first, copy
 
 
 def main() -> None:
@@ -58,6 +74,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-positions", action="store_true", help="transformer: no learned positions (NoPE)")
+    p.add_argument("--loss-on", choices=("all", "copy"), default="all",
+                   help="copy: train on the copy's targets only (the first half is random: its loss is noise)")
+    p.add_argument("--max-gap", type=int, default=0,
+                   help="random bases between the L-mer and its copy: U[0, G] of them (the rest before the L-mer), so the "
+                   "copy's distance varies from L to L + G; 0: the copy follows at once (distance L)")
+    p.add_argument("--save", default=None, help="tiny / preset: save the model here (transformers format) at every print")
     p.add_argument("--every", type=int, default=20, help="print every this many steps")
     p.add_argument("--out", default=None, help="write the curve (step, first-half bits, copy bits, seconds) as JSON here")
     args = p.parse_args()
@@ -69,30 +91,37 @@ def main() -> None:
 
         overrides = json.loads(args.overrides)
         dsa = overrides.setdefault("dsa", {})
-        dsa.setdefault("indexer", {}).setdefault("topk", 4 * ((2 * args.length + 3) // 4))
+        dsa.setdefault("indexer", {}).setdefault("topk", 4 * ((2 * args.length + args.max_gap + 3) // 4))
         lm = GenoLongForCausalLM(get_preset("tiny" if args.model == "tiny" else args.preset, **overrides)).to(dev)
 
         def model(ids):
             return lm(ids).logits
     else:
-        lm = DenseReference(args.length, positions=not args.no_positions).to(dev)
+        lm = DenseReference(2 * args.length + args.max_gap, positions=not args.no_positions).to(dev)
         model = lm
     opt = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    L, t0, curve = args.length, time.time(), []
+    L, G, t0, curve = args.length, args.max_gap, time.time(), []
+    positions = torch.arange(2 * L + G - 1)
     for step in range(args.steps):
-        block = torch.randint(0, 4, (args.batch, L))
-        ids = torch.cat([block, block], 1).to(dev)
+        ids, first_mask, copy_mask = copy_batch(args.batch, L, G)
+        ids = ids.to(dev)
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(args.batch, -1)
         opt.zero_grad()
-        loss.mean().backward()
+        (loss[copy_mask].mean() if args.loss_on == "copy" else loss.mean()).backward()
         torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
         opt.step()
         if step % args.every == 0 or step == args.steps - 1:
-            first = loss[:, : L - 1].mean().item() / math.log(2)
-            copy = loss[:, L + 8 :].mean().item() / math.log(2)  # after the first 8 bases of the copy
+            first = loss[first_mask].mean().item() / math.log(2)
+            # after the first 8 bases of the copy (its start cannot be predicted)
+            late = copy_mask & (positions >= copy_mask.float().argmax(1, keepdim=True) + 8)
+            copy = loss[late].mean().item() / math.log(2)
             curve.append((step, round(first, 4), round(copy, 4), round(time.time() - t0, 1)))
             print(f"step {step:5d}  first half {first:.3f} bits  copy {copy:.3f} bits  {time.time() - t0:.0f} s", flush=True)
+            if args.save and args.model in ("tiny", "preset"):
+                from genolong.model import save_pretrained
+
+                save_pretrained(lm, args.save)
             if args.out:
                 Path(args.out).write_text(json.dumps({"args": vars(args), "curve": curve}) + "\n")
 

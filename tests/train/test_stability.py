@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from genolong.data import BUNDLED_HOLDOUT, BUNDLED_TRAIN, WindowSampler, bundled_genome_path, open_prepared, prepare
+from genolong.data import WindowSampler
 from genolong.model import GenoLongForCausalLM, get_preset
 from genolong.train.loss import chunked_lm_loss
 from genolong.train.optim import MasterAdamW, clip_scale, lr_at
@@ -24,14 +24,6 @@ from genolong.vocab import N_ID
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 UNIFORM = math.log(4)  # 2 bits per base, in nats
-
-
-@pytest.fixture(scope="module")
-def bundled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bundled") / "prep"
-    # Phage lambda (48 kb) is plenty for these windows; E. coli is held out.
-    prepare(bundled_genome_path(), out, train=BUNDLED_HOLDOUT, holdout=BUNDLED_TRAIN, progress=False, log=lambda _m: None)
-    return open_prepared(out)
 
 
 def spikes(losses, factor=1.5):
@@ -62,10 +54,10 @@ def _train(model, genome, *, seq, windows, batch, steps, lr, warmup):
     return losses
 
 
-def test_tiny_at_lr_1e2_does_not_spike_and_beats_uniform(bundled):
+def test_tiny_at_lr_1e2_does_not_spike_and_beats_uniform(lambda_dna):
     torch.manual_seed(0)
     model = GenoLongForCausalLM(get_preset("tiny"))
-    losses = _train(model, bundled, seq=256, windows=8, batch=2, steps=30, lr=1e-2, warmup=5)
+    losses = _train(model, lambda_dna, seq=256, windows=8, batch=2, steps=30, lr=1e-2, warmup=5)
     assert all(math.isfinite(x) for x in losses)
     assert spikes(losses) == [], losses
     assert sum(losses[-4:]) / 4 < UNIFORM, losses
@@ -82,14 +74,14 @@ def _mini_losses(genome, *, reference_head: bool):
 
 
 @pytest.mark.slow
-def test_glm53_mini_at_lr_1e3_does_not_spike_and_beats_uniform(bundled):
-    losses = _mini_losses(bundled, reference_head=False)
+def test_glm53_mini_at_lr_1e3_does_not_spike_and_beats_uniform(lambda_dna):
+    losses = _mini_losses(lambda_dna, reference_head=False)
     assert all(math.isfinite(x) for x in losses)
     assert spikes(losses) == [], losses
     assert sum(losses[-4:]) / 4 < UNIFORM, losses
 
 
 @pytest.mark.slow
-def test_the_reference_head_init_spikes_in_the_same_setting(bundled):
-    losses = _mini_losses(bundled, reference_head=True)
+def test_the_reference_head_init_spikes_in_the_same_setting(lambda_dna):
+    losses = _mini_losses(lambda_dna, reference_head=True)
     assert spikes(losses) != [], f"the control run no longer spikes, so the test above proves nothing: {losses}"
