@@ -358,10 +358,12 @@ def main(args) -> int:
         init = initial_model(args, work, log)
         if args.prepare_only:
             return 0
+        # The arms' common start (the seeded initial model, or --init-from's) is the baseline they are scored against.
+        baseline = model_dir(Path(args.init_from)) if args.init_from else init
         if args.eval_only:
-            evaluate_arms(args, out, data, init, log)
+            evaluate_arms(args, out, data, baseline, log)
             return 0
-        start = model_dir(Path(args.init_from)) if args.init_from else init
+        start = baseline
         # The same learning-rate schedule, cut where the other arm was cut.
         args.stop_at = None
         if like := steps_like(args, out, "-short"):
@@ -378,7 +380,7 @@ def main(args) -> int:
         options.validate()
         train_arm(args, options, out / args.arm, log)
         if not args.no_eval:
-            evaluate_arms(args, out, data, init, log)
+            evaluate_arms(args, out, data, baseline, log)
     except GenolongError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
