@@ -79,6 +79,13 @@ def main() -> None:
     p.add_argument("--max-gap", type=int, default=0,
                    help="random bases between the L-mer and its copy: U[0, G] of them (the rest before the L-mer), so the "
                    "copy's distance varies from L to L + G; 0: the copy follows at once (distance L)")
+    p.add_argument("--init-from", default=None,
+                   help="tiny / preset: start from this model's weights (a saved probe model; the same architecture, e.g. "
+                   "the same --overrides, while the indexer top-k follows this run's length)")
+    p.add_argument("--eval-gaps", default="",
+                   help="tiny / preset, after training (--steps 0: only this): the copy loss of 64 sequences at each of these "
+                   "--max-gap values (comma-separated), with a selection that holds every key (does the copying transfer to "
+                   "longer windows?)")
     p.add_argument("--save", default=None, help="tiny / preset: save the model here (transformers format) at every print")
     p.add_argument("--every", type=int, default=20, help="print every this many steps")
     p.add_argument("--out", default=None, help="write the curve (step, first-half bits, copy bits, seconds) as JSON here")
@@ -92,7 +99,12 @@ def main() -> None:
         overrides = json.loads(args.overrides)
         dsa = overrides.setdefault("dsa", {})
         dsa.setdefault("indexer", {}).setdefault("topk", 4 * ((2 * args.length + args.max_gap + 3) // 4))
-        lm = GenoLongForCausalLM(get_preset("tiny" if args.model == "tiny" else args.preset, **overrides)).to(dev)
+        lm = GenoLongForCausalLM(get_preset("tiny" if args.model == "tiny" else args.preset, **overrides))
+        if args.init_from:
+            from genolong.model import from_pretrained
+
+            lm.load_state_dict(from_pretrained(args.init_from, dtype=torch.float32).state_dict())
+        lm = lm.to(dev)
 
         def model(ids):
             return lm(ids).logits
@@ -124,6 +136,38 @@ def main() -> None:
                 save_pretrained(lm, args.save)
             if args.out:
                 Path(args.out).write_text(json.dumps({"args": vars(args), "curve": curve}) + "\n")
+    if args.eval_gaps and args.model in ("tiny", "preset"):
+        transfer = evaluate_gaps(lm, args, overrides, [int(g) for g in args.eval_gaps.split(",")], dev)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "curve": curve, "transfer": transfer}) + "\n")
+
+
+def evaluate_gaps(lm, args, overrides: dict, gaps: list[int], dev) -> list[dict]:
+    """Copy bits (after the copy's first 8 bases) at each max gap, the model's weights in a model whose
+    indexer top-k covers the whole sequence (the DSA layers dense), 8 batches of 8 sequences."""
+    from genolong.model import GenoLongForCausalLM, get_preset
+
+    rows = []
+    for gap in gaps:
+        n = 2 * args.length + gap
+        changed = json.loads(json.dumps(overrides))
+        changed.setdefault("dsa", {}).setdefault("indexer", {})["topk"] = 4 * ((n + 3) // 4)
+        dense = GenoLongForCausalLM(get_preset("tiny" if args.model == "tiny" else args.preset, **changed)).to(dev)
+        dense.load_state_dict(lm.state_dict())
+        dense.eval()
+        total, count = 0.0, 0
+        positions = torch.arange(n - 1)
+        for _ in range(8):
+            ids, _first, copy = copy_batch(8, args.length, gap)
+            with torch.no_grad():
+                logits = dense(ids[:, :-1].to(dev)).logits
+            loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].to(dev).reshape(-1), reduction="none").view(8, -1)
+            late = copy & (positions >= copy.float().argmax(1, keepdim=True) + 8)
+            total += float(loss[late.to(dev)].sum()) / math.log(2)
+            count += int(late.sum())
+        rows.append({"max_gap": gap, "tokens": n, "copy_bits": round(total / count, 4)})
+        print(f"copy at max gap {gap} ({n} tokens, dense selection): {total / count:.3f} bits", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
