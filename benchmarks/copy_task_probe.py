@@ -3,6 +3,12 @@ the same L-mer, loss on the first half vs on the copy, every 20 steps.
 
     python benchmarks/copy_task_probe.py --model transformer --steps 800    # a dense 2-layer reference
     python benchmarks/copy_task_probe.py --model tiny --steps 800           # genolong's tiny preset
+    python benchmarks/copy_task_probe.py --model tiny --overrides '{"hidden": 128, "dsa": {"num_heads": 4, "kv_lora_rank": 64}}' \
+        --lr 3e-3 --steps 6000 --loss-on copy --max-gap 16 --save A          # the model of docs/recall.md's second CPU attempt
+    python benchmarks/copy_task_probe.py --model tiny --overrides '...' --init-from A --steps 0 --max-gap 16 --eval-gaps 16,200,500
+
+`--loss-on copy` trains on the copy's targets only; `--max-gap G` puts U[0, G] random bases between
+the L-mer and its copy; `--eval-gaps` scores the copy in longer sequences with every key selected.
 
 The dense reference (hidden 64, 2 heads, learned positions, causal, pre-norm) is the yardstick for
 the planted-repeat experiments' first stage (docs/recall.md): on 4 letters, copying needs a match
