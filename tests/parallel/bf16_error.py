@@ -19,6 +19,7 @@ RATIO, SLACK = 3.0, 1e-3
 
 
 def rel_rmse(a, b) -> float:
+    """RMS of the difference over the RMS of the reference b (fla's CP tests' measure)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.sqrt(((a - b) ** 2).mean()) / max(np.sqrt((b**2).mean()), 1e-30))
 
