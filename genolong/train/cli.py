@@ -107,7 +107,7 @@ def finetune(
     host_budget: Annotated[float | None, typer.Option(hidden=True)] = None,
     baseline: Annotated[bool, typer.Option("--baseline", help="Every memory optimization off (the stack out of the box).", rich_help_panel=_MEM)] = False,
     balance_rate: Annotated[
-        float, typer.Option(help="Expert-balance bias step per optimizer step (DeepSeek-V3's auxiliary-loss-free balancing; 0: off).", rich_help_panel=_BAL)
+        float, typer.Option(help="Expert-balance bias step per optimizer step (DeepSeek-V3's auxiliary-loss-free balancing; 0: off; 1e-2 undoes a from-scratch run's early collapse faster, docs/training.md).", rich_help_panel=_BAL)
     ] = 1e-3,
     aux_loss_coeff: Annotated[float, typer.Option(help="Sequence-wise expert balance loss coefficient (DeepSeek-V3; 0: off, e.g. 1e-4).", rich_help_panel=_BAL)] = 0.0,
     repeat_weight: Annotated[float, typer.Option(help="Loss weight of soft-masked repeat bases (1: as others; Evo 2 uses 0.1).", rich_help_panel=_BAL)] = 1.0,
