@@ -31,6 +31,8 @@ for stage in "$@"; do
     reallayers) cmd="python3 benchmarks/bench_real_layers.py --budget-s $(( limit - 40 )) --out $OUT/reallayers" ;;
     sparse) cmd="python3 benchmarks/bench_sparse_attention.py --out $OUT/sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
     failing) cmd="python3 -m pytest -q --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
+    # mHC around a layer, eager vs the fused Triton passes, at glm53-mini's and GLM-5.3-Flash's width.
+    mhc) cmd="python3 benchmarks/bench_mhc.py --out $OUT/mhc --budget-s $(( limit - 40 )) ${MHC_ARGS:-}" ;;
     idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;
     # glm53-mini from scratch at 32k, lr 1e-3, warmup 2 (issue 10's spiking setting): losses, grad norms, expert loads.
     scratch) cmd="python3 benchmarks/check_from_scratch.py --data /tmp/bundled --steps 8 --budget-s $(( limit - 20 )) ${SCRATCH_ARGS:-} --out $OUT/scratch" ;;

@@ -31,10 +31,13 @@ FUSED = {
     "kda_short_conv": [("fla_causal_conv1d", "genolong.kernels.kda_conv_fla", "short_conv_fla")],
     "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe_grouped", "moe_experts_grouped")],
     "dsa_indexer_loss": [("triton_pool_kl", "genolong.kernels.indexer_loss", "dsa_indexer_loss_fused")],
+    "mhc_mix_collapse": [("triton_mhc", "genolong.kernels.mhc_fused", "mhc_mix_collapse_fused")],
+    "mhc_expand": [("triton_mhc", "genolong.kernels.mhc_fused", "mhc_expand_fused")],
 }
 
 # The references live beside the layers that use them; importing those modules registers them.
-_REFERENCE_MODULES = ("genolong.model.dsa", "genolong.model.indexer", "genolong.model.kda", "genolong.model.moe")
+_REFERENCE_MODULES = ("genolong.model.dsa", "genolong.model.indexer", "genolong.model.kda", "genolong.model.moe",
+                      "genolong.model.mhc")
 
 
 def load() -> dict[str, list[str]]:

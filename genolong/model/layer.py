@@ -38,8 +38,8 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(hidden, config.dense_mlp.intermediate_size, config.dense_mlp.swiglu_limit)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.attn_hc = HyperConnection(hidden, config.mhc, eps)
-        self.ffn_hc = HyperConnection(hidden, config.mhc, eps)
+        self.attn_hc = HyperConnection(hidden, config.mhc, eps, layer_idx)
+        self.ffn_hc = HyperConnection(hidden, config.mhc, eps, layer_idx)
 
     def forward(self, streams: torch.Tensor, topk: torch.Tensor | None = None):
         post, comb, x = self.attn_hc(streams)

@@ -16,7 +16,9 @@ dtype. In fp32 this is the reference's arithmetic up to rounding.
 The math is in module-level functions of tensors (`mix_weights`, `sinkhorn`, `collapse`,
 `expand`) so that genolong.train.compile can compile them once for every layer; the modules
 only hold the parameters. These eager functions are the references of the fused versions and of
-the faster eager ones that `HyperConnection` runs (genolong/model/mhc_eager.py).
+the faster eager ones (genolong/model/mhc_eager.py). `HyperConnection` runs its two halves as the
+ops "mhc_mix_collapse" and "mhc_expand" (genolong.model.ops): their references are the faster
+eager functions, the fused Triton passes are genolong/kernels/mhc_fused.py.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from genolong.model import ops
 from genolong.model.config import MHCConfig
 
 
 class HyperConnection(nn.Module):
-    def __init__(self, hidden: int, cfg: MHCConfig, rms_eps: float) -> None:
+    def __init__(self, hidden: int, cfg: MHCConfig, rms_eps: float, layer_idx: int = -1) -> None:
         super().__init__()
         n = cfg.num_streams
+        self.layer_idx = layer_idx  # for the kernel audit (genolong.model.ops)
         self.n = n
         self.sinkhorn_iters = cfg.sinkhorn_iters
         self.eps = cfg.eps
@@ -42,17 +46,32 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B,T,n,D] -> (post fp32 [B,T,n], comb fp32 [B,T,n,n], collapsed [B,T,D])."""
-        from genolong.model import mhc_eager  # the faster eager versions of this module's references
-
-        pre, post, comb = mix_weights(streams, self.fn, self.base, self.scale, n=self.n, eps=self.eps, rms_eps=self.rms_eps)
-        comb = mhc_eager.sinkhorn(comb, self.sinkhorn_iters, self.eps)
-        return post, comb, mhc_eager.collapse(pre, streams)
+        return ops.call("mhc_mix_collapse", self.layer_idx, streams, self.fn, self.base, self.scale, n=self.n,
+                        iters=self.sinkhorn_iters, eps=self.eps, rms_eps=self.rms_eps)
 
     def expand(self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The new streams after the sublayer (see `expand`); a method so that it can be swapped per instance."""
-        from genolong.model import mhc_eager
+        return ops.call("mhc_expand", self.layer_idx, post, comb, out, residual)
 
-        return mhc_eager.expand(post, comb, out, residual)
+
+def mix_collapse_reference(streams, fn, base, scale, *, n: int, iters: int, eps: float, rms_eps: float):
+    """The op "mhc_mix_collapse": (post fp32 [.., n], comb fp32 [.., n, n], collapsed [.., D]) from streams [.., n, D]."""
+    from genolong.model import mhc_eager  # the faster eager versions of this module's references
+
+    pre, post, comb = mix_weights(streams, fn, base, scale, n=n, eps=eps, rms_eps=rms_eps)
+    comb = mhc_eager.sinkhorn(comb, iters, eps)
+    return post, comb, mhc_eager.collapse(pre, streams)
+
+
+def expand_reference(post, comb, out, residual):
+    """The op "mhc_expand": the new streams (see `expand`)."""
+    from genolong.model import mhc_eager
+
+    return mhc_eager.expand(post, comb, out, residual)
+
+
+ops.register("mhc_mix_collapse", ops.REFERENCE, mix_collapse_reference)
+ops.register("mhc_expand", ops.REFERENCE, expand_reference)
 
 
 def mix_weights(streams, fn, base, scale, *, n: int, eps: float, rms_eps: float):
@@ -60,6 +79,11 @@ def mix_weights(streams, fn, base, scale, *, n: int, eps: float, rms_eps: float)
     flat = streams.flatten(-2)
     mean_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
     logits = F.linear(flat, fn.to(flat.dtype)).float() * torch.rsqrt(mean_sq + rms_eps)
+    return mix_from_logits(logits, base, scale, n=n, eps=eps)
+
+
+def mix_from_logits(logits, base, scale, *, n: int, eps: float):
+    """(pre, post, comb before Sinkhorn) from the RMS-scaled logits fp32 [.., (2 + n) n]: the pointwise tail."""
     pre_l, post_l, comb_l = logits.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     pre_s, post_s, comb_s = scale.float().unbind(0)

@@ -36,6 +36,10 @@ def _args(op):
         idx = indexer_topk_reference(iq, pk, w, kpool=4, topk_pools=2, always_select_tail=True, softmax_scale=0.2)
         _, lse = sparse_attention_reference(q, kv, idx, scale=0.1, return_lse=True)
         return (iq, pk, w, q, kv, idx, lse), dict(kpool=4, topk_pools=2, index_scale=0.2, scale=0.1, grad_scale=1.0)
+    if op == "mhc_mix_collapse":
+        return (r(1, 5, 4, 16), r(24, 64), r(24), torch.ones(3)), dict(n=4, iters=20, eps=1e-6, rms_eps=1e-6)
+    if op == "mhc_expand":
+        return (torch.rand(1, 5, 4, generator=g), torch.rand(1, 5, 4, 4, generator=g), r(1, 5, 16), r(1, 5, 4, 16)), {}
     idx = torch.randint(0, 4, (6, 2), generator=g)
     return (r(6, 32), idx, torch.rand(6, 2, generator=g), r(4, 32, 32), r(4, 32, 16)), {"swiglu_limit": 10.0}
 

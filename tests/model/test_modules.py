@@ -289,8 +289,9 @@ def test_gradients_reach_every_parameter_but_the_frozen_indexer(tiny_model):
 
 
 def test_fused_policy_on_cpu_fails_at_the_first_layer(tiny_model):
+    # mHC mixes the streams before the mixer runs: it is the first hot op of every layer.
     ops.reset_audit()
-    with ops.policy("fused"), pytest.raises(ops.KernelFallbackError, match="layer 0: op 'kda_short_conv'"):
+    with ops.policy("fused"), pytest.raises(ops.KernelFallbackError, match="layer 0: op 'mhc_mix_collapse'"):
         tiny_model(torch.zeros(1, 16, dtype=torch.long))
 
 
@@ -301,6 +302,7 @@ def test_auto_policy_records_every_hot_op_per_layer(tiny_model):
     expected = {(i, op) for i in range(cfg.num_layers) if i not in cfg.dsa_layers for op in ("kda_short_conv", "kda")}
     expected |= {(i, op) for i in cfg.dsa_layers for op in ("dsa_indexer_topk", "dsa_sparse_attention")}
     expected |= {(i, "moe_experts") for i in cfg.moe_layers}
+    expected |= {(i, op) for i in range(cfg.num_layers) for op in ("mhc_mix_collapse", "mhc_expand")}
     assert set(auto.audit) == expected
     assert set(auto.audit.values()) == {ops.REFERENCE}
 

@@ -99,9 +99,9 @@ def test_two_models_with_their_own_policies_in_one_process():
             plain(ids)
         assert calls == []  # the reference model never ran the fast implementation
         # Under the fused model's own policy the KDA layers run "test_fast"; every other op has no
-        # fused implementation here, so the fused policy fails loudly at the first of them, whatever
-        # the context's policy is.
-        with ops.policy("reference"), pytest.raises(ops.KernelFallbackError, match="kda_short_conv"):
+        # fused implementation here, so the fused policy fails loudly at the first of them (mHC's, before
+        # the mixer), whatever the context's policy is.
+        with ops.policy("reference"), pytest.raises(ops.KernelFallbackError, match="mhc_mix_collapse"):
             fused(ids)
         policy.name = "auto"
         with torch.no_grad():
