@@ -81,7 +81,7 @@ def parity(hidden: int, tokens: int = 8192) -> dict:
     weight = torch.randn(1, tokens, 4, hidden, device=DEV)
 
     def run(policy: str, dtype):
-        s = streams.to(dtype).requires_grad_()
+        s = streams.detach().to(dtype).requires_grad_()  # a new leaf per run, also in fp32
         with ops.policy(policy):
             new = layer_mhc(hcs, s, [o.to(dtype) for o in outs])
         (new.float() * weight).sum().backward()

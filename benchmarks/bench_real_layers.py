@@ -13,7 +13,7 @@ forward + backward at 64k and 128k tokens (B = 1):
 | moe288 | the MoE block: 288 experts top-8, expert width 2048, one shared expert |
 | moe36 | expert parallelism over 8 GPUs: 36 local experts receiving T (token, expert) pairs (T/8 tokens top-8) |
 | mlp | the dense SwiGLU MLP of layers 0-2 at tp=8 (intermediate 12288 / 8) |
-| mhc | both mHC sublayers of a layer (weights, Sinkhorn, collapse, expand), hidden 4096; eager and compiled |
+| mhc | both mHC sublayers of a layer (weights, Sinkhorn, collapse, expand), hidden 4096: the fused passes under the fused policy (eager before 2026-12-01 22:40 UTC); and compiled |
 | sdpa-kda64 / sdpa-kda8 | dense causal SDPA (FlashAttention) at the KDA heads: 64 or 8 heads x 128 |
 | sdpa-dsa64 / sdpa-dsa8 | dense causal SDPA at the DSA heads: 64 or 8 heads, q/k 256, v 256 |
 | idx-cp8-r7 | the 4-head indexer of one context-parallel rank of a 1M sequence: 128k queries at offset 7 x 128k (the last rank, the most pools) against the whole sequence's 256k pools |

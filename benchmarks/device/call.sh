@@ -28,7 +28,7 @@ for stage in "$@"; do
     train) cmd="python3 benchmarks/bench_train.py --data /tmp/bundled ${TRAIN_ARGS:-} --out $OUT/train.json" ;;
     fastops) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_fastops.py" ;;
     compile128k) cmd="python3 benchmarks/bench_compile_step.py --data /tmp/bundled --seq 128k --out $OUT/compile128k" ;;
-    reallayers) cmd="python3 benchmarks/bench_real_layers.py --budget-s $(( limit - 40 )) --out $OUT/reallayers" ;;
+    reallayers) cmd="python3 benchmarks/bench_real_layers.py --budget-s $(( limit - 40 )) --out $OUT/reallayers ${REAL_ARGS:-}" ;;
     sparse) cmd="python3 benchmarks/bench_sparse_attention.py --out $OUT/sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
     failing) cmd="python3 -m pytest -q --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
     # mHC around a layer, eager vs the fused Triton passes, at glm53-mini's and GLM-5.3-Flash's width.
