@@ -151,7 +151,7 @@ def test_balance_loss_gradient_equals_the_direct_computation(recompute):
 
 
 def test_balanced_segment_loss_is_one_and_a_skewed_one_is_larger():
-    num_experts, k, t = 4, 1, 8
+    num_experts, t = 4, 8  # top-1 routing (one expert column per token)
     uniform = torch.full((t, num_experts), 0.5)
     round_robin = torch.arange(t).remainder(num_experts).unsqueeze(1)
     assert float(sequence_balance_loss(uniform, round_robin, num_experts, t)) == pytest.approx(1.0)
