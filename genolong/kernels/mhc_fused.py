@@ -198,10 +198,6 @@ def dot_blocks(dtype: torch.dtype) -> tuple[int, int]:
     return DOT_BLOCKS["fp32" if dtype == torch.float32 else "16-bit"]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 def mix_logits(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, n, D], fn [(2 + n) n, n D] in x's dtype -> (raw logits fp32 [T, (2 + n) n], rstd fp32 [T])."""
     t, n, d = x.shape
@@ -210,7 +206,7 @@ def mix_logits(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> tuple[torch
     rstd = torch.empty(t, device=x.device, dtype=torch.float32)
     bt, bd = dot_blocks(x.dtype)
     if t:
-        _mix_logits_kernel[(_cdiv(t, bt),)](x, fn, raw, rstd, t, float(rms_eps), D=d, N=n, K=k, KP=padded_logits(n),
+        _mix_logits_kernel[(triton.cdiv(t, bt),)](x, fn, raw, rstd, t, float(rms_eps), D=d, N=n, K=k, KP=padded_logits(n),
                                              BT=bt, BD=bd, PRECISION=_precision(x.dtype), num_warps=4)
     return raw, rstd
 
@@ -220,7 +216,7 @@ def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     t, n, d = x.shape
     y = torch.empty(t, d, device=x.device, dtype=x.dtype)
     if t:
-        _collapse_kernel[(_cdiv(t, COLLAPSE_BT), _cdiv(d, COLLAPSE_BD))](x, pre, y, t, D=d, N=n, BT=COLLAPSE_BT,
+        _collapse_kernel[(triton.cdiv(t, COLLAPSE_BT), triton.cdiv(d, COLLAPSE_BD))](x, pre, y, t, D=d, N=n, BT=COLLAPSE_BT,
                                                                           BD=COLLAPSE_BD, num_warps=4)
     return y
 
@@ -230,7 +226,7 @@ def collapse_dpre(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     t, n, d = x.shape
     dpre = torch.empty(t, n, device=x.device, dtype=torch.float32)
     if t:
-        _collapse_dpre_kernel[(_cdiv(t, DPRE_BT),)](x, dy, dpre, t, D=d, N=n, BT=DPRE_BT, BD=DPRE_BD, num_warps=8)
+        _collapse_dpre_kernel[(triton.cdiv(t, DPRE_BT),)](x, dy, dpre, t, D=d, N=n, BT=DPRE_BT, BD=DPRE_BD, num_warps=8)
     return dpre
 
 
@@ -241,7 +237,7 @@ def mix_collapse_dx(x, dy, pre, d_raw, coef, fn) -> torch.Tensor:
     dx = torch.empty_like(x)
     bt, bd = dot_blocks(x.dtype)
     if t:
-        _mix_collapse_dx_kernel[(_cdiv(t, bt), _cdiv(d, bd))](
+        _mix_collapse_dx_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
             x, dy, pre, d_raw, coef, fn, dx, t, D=d, N=n, K=k, KP=padded_logits(n), BT=bt, BD=bd,
             PRECISION=_precision(x.dtype), num_warps=4)
     return dx
@@ -252,7 +248,7 @@ def expand_forward(post, comb, out, residual) -> torch.Tensor:
     t, n, d = residual.shape
     new = torch.empty_like(residual)
     if t:
-        _expand_kernel[(_cdiv(t, EXPAND_BT), _cdiv(d, EXPAND_BD))](post, comb, out, residual, new, t, D=d, N=n,
+        _expand_kernel[(triton.cdiv(t, EXPAND_BT), triton.cdiv(d, EXPAND_BD))](post, comb, out, residual, new, t, D=d, N=n,
                                                                     BT=EXPAND_BT, BD=EXPAND_BD, num_warps=8)
     return new
 
@@ -264,7 +260,7 @@ def expand_backward(post, comb, out, residual, grad):
     d_post = torch.empty(t, n, device=grad.device, dtype=torch.float32)
     d_comb = torch.empty(t, n, n, device=grad.device, dtype=torch.float32)
     if t:
-        _expand_bwd_kernel[(_cdiv(t, EXPAND_BWD_BT),)](post, comb, out, residual, grad, d_out, d_res, d_post, d_comb, t, D=d,
+        _expand_bwd_kernel[(triton.cdiv(t, EXPAND_BWD_BT),)](post, comb, out, residual, grad, d_out, d_res, d_post, d_comb, t, D=d,
                                                         N=n, BT=EXPAND_BWD_BT, BD=EXPAND_BWD_BD, num_warps=4)
     return d_post, d_comb, d_out, d_res
 
