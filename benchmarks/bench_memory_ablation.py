@@ -186,6 +186,9 @@ class Bench:
             "pinned_after_step_gib": self.handle.pinned_bytes() / GIB,
             "offload_layers": len(self.handle.offload_layers()),
             "indexer_loss": indexer.get("indexer_loss"),
+            "keep_sparse": self.handle.keep.where if self.handle.keep is not None else "off",
+            "kept_gib": self.handle.keep.stats.bytes_kept / GIB if self.handle.keep is not None else 0.0,
+            "kept_replayed": self.handle.keep.stats.replayed if self.handle.keep is not None else 0,
         }
 
     def plan(self, seq_len: int, offload_layers: int | None = None) -> dict:

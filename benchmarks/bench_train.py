@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="train.json")
     p.add_argument("--ladder", default=None, help="ablation lengths (default 8k..512k); for a CPU smoke test")
     p.add_argument("--compile", action="store_true", help="apply genolong.train.compile to the model (finetune --compile)")
+    p.add_argument("--keep-sparse", default="auto",
+                   help="comma list of MemoryOptions.keep_sparse values; each length runs once per value, side by side")
     p.add_argument("--indexer-loss-coeff", type=float, default=0.0, help="> 0: every step also trains the DSA indexer (its KL loss)")
     args = p.parse_args(argv)
     if args.ladder:
@@ -96,14 +98,15 @@ def main(argv=None) -> int:
 
         compiled = apply_compile(bench.model)
     results["params"] = sum(p.numel() for p in bench.model.parameters())
-    full = MemoryOptions(host_budget_gib=args.host_budget_gib)
+    keeps = [k.strip() for k in args.keep_sparse.split(",") if k.strip()]
+    full = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keeps[0])
 
     # 1. throughput and memory on real DNA, beside the plan
-    for n in [parse_length(x) for x in args.lengths.split(",")]:
+    for n, keep in [(parse_length(x), k) for x in args.lengths.split(",") for k in keeps]:
         if left() < 30:
-            results["not_run"].append(f"train {format_length(n)}: time budget")
+            results["not_run"].append(f"train {format_length(n)} keep_sparse={keep}: time budget")
             continue
-        opts = full
+        opts = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keep)
         bench.use(opts)
         k = 0
         while k < args.steps:
@@ -123,7 +126,8 @@ def main(argv=None) -> int:
                     break
                 # The plan's offload count was too small: measured, not hidden. Retry with 12 more layers.
                 planned = bench.plan(n)["plan_offload_layers"]
-                opts = MemoryOptions(host_budget_gib=args.host_budget_gib, offload_layers=min(bench.config.num_layers, planned + 12))
+                opts = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keep,
+                                     offload_layers=min(bench.config.num_layers, planned + 12))
                 bench.use(opts)
                 continue
             row.update(bench.plan(n, offload_layers=row["offload_layers"]))

@@ -35,6 +35,13 @@ FUSED = {
     "mhc_expand": [("triton_mhc", "genolong.kernels.mhc_fused", "mhc_expand_fused")],
 }
 
+# Implementations a recompute can replay from their forward's kept result (genolong.train.keep):
+# (op, implementation) -> (module, function). The megatron-core TileLang kernel has none (its
+# backward needs its own padded copies), so under it the sparse attention is simply recomputed.
+REPLAYS = {
+    ("dsa_sparse_attention", "triton_sparse_mla"): ("genolong.kernels.sparse_mla", "replay_dsa_sparse_attention"),
+}
+
 # The references live beside the layers that use them; importing those modules registers them.
 _REFERENCE_MODULES = ("genolong.model.dsa", "genolong.model.indexer", "genolong.model.kda", "genolong.model.moe",
                       "genolong.model.mhc")
@@ -49,6 +56,8 @@ def load() -> dict[str, list[str]]:
     for op, impls in FUSED.items():
         for impl, module, fn in impls:
             ops.register(op, impl, getattr(importlib.import_module(module), fn))
+    for (op, impl), (module, fn) in REPLAYS.items():
+        ops.register_replay(op, impl, getattr(importlib.import_module(module), fn))
     return {op: list(ops.implementations(op)) for op in FUSED}
 
 

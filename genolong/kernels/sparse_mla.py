@@ -317,8 +317,13 @@ def _backward_grouped(q, kv, idx, dout, lse, dlt, dq, dkv, scale, key_chunk, bud
 
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, scale, mode, key_chunk, budget_bytes, configs, fwd_mode, fwd_key_chunk):
-        out, lse = _forward(q, kv, indices, scale, fwd_mode, fwd_key_chunk, budget_bytes, configs.get("fwd"))
+    def forward(ctx, q, kv, indices, scale, mode, key_chunk, budget_bytes, configs, fwd_mode, fwd_key_chunk, kept=None):
+        if kept is None:
+            out, lse = _forward(q, kv, indices, scale, fwd_mode, fwd_key_chunk, budget_bytes, configs.get("fwd"))
+        else:
+            # A recompute replaying its forward's result (genolong.train.keep): nothing to attend.
+            # Fresh aliases, so autograd's history goes on them and not on the kept tensors.
+            out, lse = kept[0].view_as(kept[0]), kept[1].view_as(kept[1])
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.scale, ctx.mode, ctx.key_chunk, ctx.budget_bytes, ctx.configs = scale, mode, key_chunk, budget_bytes, configs
         ctx.mark_non_differentiable(lse)
@@ -329,7 +334,7 @@ class _SparseMLA(torch.autograd.Function):
         q, kv, indices, out, lse = ctx.saved_tensors
         dq, dkv = _backward(q, kv, indices, out, lse, dout.contiguous().to(q.dtype), ctx.scale, ctx.mode,
                             ctx.key_chunk, ctx.budget_bytes, ctx.configs.get("bwd"))
-        return dq, dkv, None, None, None, None, None, None, None, None
+        return dq, dkv, None, None, None, None, None, None, None, None, None
 
 
 def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mode: str = DEFAULT_DKV_MODE,
@@ -353,6 +358,28 @@ def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mo
     return (out, lse) if return_lse else out
 
 
+def _modes() -> dict[str, str]:
+    modes = {}
+    for env, choices, default in ((ENV_DKV_MODE, DKV_MODES, DEFAULT_DKV_MODE), (ENV_FWD_MODE, FWD_MODES, DEFAULT_FWD_MODE)):
+        modes[env] = os.environ.get(env, default)
+        if modes[env] not in choices:
+            raise GenolongError(f"{env}={modes[env]!r} is not a mode; set it to one of {', '.join(choices)} or unset it")
+    return modes
+
+
+def replay_dsa_sparse_attention(kept, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float,
+                                return_lse: bool = False):
+    """The op's result from the (out, lse) its forward kept (genolong.train.keep), with this kernel's
+    backward: a recompute that does not attend again. Reference: genolong.model.sparse_replay."""
+    out, lse = kept
+    if out.shape != q.shape or lse.shape != q.shape[:3]:
+        raise GenolongError(f"kept sparse-attention result {tuple(out.shape)} / {tuple(lse.shape)} does not match q {tuple(q.shape)}")
+    mode = _modes()[ENV_DKV_MODE]
+    out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), float(scale), mode, KEY_CHUNK,
+                                QUERY_BUDGET_BYTES, {}, DEFAULT_FWD_MODE, 2 * KEY_CHUNK, (out.contiguous(), lse.contiguous()))
+    return (out, lse) if return_lse else out
+
+
 def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *, scale: float, return_lse: bool = False):
     """The "dsa_sparse_attention" op (docs/ops.md) on the few-head Triton sparse-MLA kernels.
 
@@ -369,10 +396,6 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         import genolong.kernels.sparse_mla_triton  # noqa: F401
     except ImportError as why:
         raise KernelUnsupported(f"triton is not importable: {why}") from why
-    modes = {}
-    for env, choices, default in ((ENV_DKV_MODE, DKV_MODES, DEFAULT_DKV_MODE), (ENV_FWD_MODE, FWD_MODES, DEFAULT_FWD_MODE)):
-        modes[env] = os.environ.get(env, default)
-        if modes[env] not in choices:
-            raise GenolongError(f"{env}={modes[env]!r} is not a mode; set it to one of {', '.join(choices)} or unset it")
+    modes = _modes()
     return sparse_mla(q, kv, indices, scale=scale, return_lse=return_lse, dkv_mode=modes[ENV_DKV_MODE],
                       fwd_mode=modes[ENV_FWD_MODE])

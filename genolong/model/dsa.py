@@ -26,6 +26,8 @@ from genolong.model.indexer_loss import DENSE, IndexerLossSwitch, attach_indexer
 from genolong.model.indexer_recall import RecallProbe
 from genolong.model.norms import RMSNorm
 from genolong.model.piece import SequencePiece
+# (registering how a recompute replays the two ops from their kept results: genolong.train.keep)
+from genolong.model import kept_selection, sparse_replay  # noqa: F401
 
 # Upper bound on gathered-latent elements per query chunk in the reference.
 _GATHER_ELEMENTS = 1 << 24

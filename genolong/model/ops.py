@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
 
 POLICIES = ("reference", "fused", "auto")
 REFERENCE = "reference"
@@ -74,7 +77,36 @@ class KernelPolicy:
         return summary
 
     def call(self, op: str, layer_idx: int, *args, **kwargs):
-        """Run `op` for layer `layer_idx` under this policy (see the module docstring)."""
+        """Run `op` for layer `layer_idx` under this policy (see the module docstring). Inside a
+        replay frame (`replay_frame`) a keepable op's result is recorded, or replayed."""
+        frame = _FRAME.get()
+        spec = _KEEPABLE.get(op) if frame is not None and frame.keeps(op) else None
+        if spec is None:
+            return self._run(op, layer_idx, lambda name, fn: fn(*args, **kwargs))
+        if frame.replaying:
+            impl, kept = frame.replay(op, layer_idx, args)
+            if kept is None:  # the forward's implementation cannot be replayed: it runs again
+                return self._run(op, layer_idx, lambda name, fn: fn(*args, **kwargs))
+            self.audit[(layer_idx, op)] = impl
+            return replay_of(op, impl)(kept, *args, **kwargs)
+
+        def record(name: str, fn: Callable):
+            replay = replay_of(op, name)
+            if replay is None:
+                out = fn(*args, **kwargs)
+                frame.record(op, layer_idx, name, args, None)
+                return out
+            # The forward's result comes out of the replay too: the checkpoint requires the
+            # recompute to save the same tensors as the forward, so both save what the replay saves.
+            with torch.no_grad():
+                kept = spec.kept(fn(*args, **{**kwargs, **spec.record_kwargs}), kwargs)
+            frame.record(op, layer_idx, name, args, kept)
+            return replay(kept, *args, **kwargs)
+
+        return self._run(op, layer_idx, record)
+
+    def _run(self, op: str, layer_idx: int, run: Callable[[str, Callable], object]):
+        """`run(name, fn)` for the implementation of `op` this policy picks (module docstring)."""
         impls = _IMPLS.get(op)
         if not impls or REFERENCE not in impls:
             raise KeyError(f"op {op!r} has no reference implementation registered")
@@ -84,7 +116,7 @@ class KernelPolicy:
                 if name == REFERENCE:
                     continue
                 try:
-                    out = fn(*args, **kwargs)
+                    out = run(name, fn)
                 except KernelUnsupported as why:
                     reasons.append(f"{name}: {why}")
                     continue
@@ -97,7 +129,7 @@ class KernelPolicy:
                     "fix the kernel or run with the 'reference' / 'auto' kernel policy explicitly"
                 )
         self.audit[(layer_idx, op)] = REFERENCE
-        return impls[REFERENCE](*args, **kwargs)
+        return run(REFERENCE, impls[REFERENCE])
 
     def __repr__(self) -> str:
         return f"KernelPolicy({self.name!r})"
@@ -105,6 +137,62 @@ class KernelPolicy:
 
 _IMPLS: dict[str, dict[str, Callable]] = {}
 _ACTIVE: contextvars.ContextVar[KernelPolicy | None] = contextvars.ContextVar("genolong_kernel_policy", default=None)
+
+
+# -- kept results: what a recompute may take from its forward instead of running again -----------
+#
+# Full recompute (genolong.train.recompute) runs every layer's forward twice. For an op whose
+# result is expensive and cheap to store (the indexer's selection; the sparse attention's output
+# and lse, from which its backward is computed), genolong.train.keep opens a replay frame around a
+# checkpointed layer: in the forward the frame records the op's result, in the recompute it hands
+# it back, and the op does not run again. An op is keepable when it has a `KeepSpec`; an
+# implementation is replayable when it has a replay function (`register_replay`; ANY: every
+# implementation of the op). A replay returns what the op would, with the op's own gradient.
+
+
+@dataclass(frozen=True)
+class KeepSpec:
+    """How an op's results are recorded: the recorded call runs without gradient with `record_kwargs`
+    added (e.g. ask for the lse the replay needs); `kept(result, kwargs)` -> the tensors to keep
+    (kwargs: the call's). Both the forward's and the recompute's result then come from the
+    implementation's replay."""
+
+    record_kwargs: Mapping[str, object] = field(default_factory=dict)
+    kept: Callable = lambda out, kwargs: (out,)
+
+
+ANY = "*"
+_KEEPABLE: dict[str, KeepSpec] = {}
+_REPLAYS: dict[tuple[str, str], Callable] = {}
+_FRAME: contextvars.ContextVar[object | None] = contextvars.ContextVar("genolong_replay_frame", default=None)
+
+
+def register_keepable(op: str, spec: KeepSpec) -> None:
+    _KEEPABLE[op] = spec
+
+
+def register_replay(op: str, impl: str, fn: Callable) -> None:
+    """`fn(kept, *args, **kwargs)` replays implementation `impl` (or ANY) of `op` from its kept tensors."""
+    _REPLAYS[(op, impl)] = fn
+
+
+def keepable_ops() -> tuple[str, ...]:
+    return tuple(sorted(_KEEPABLE))
+
+
+def replay_of(op: str, impl: str) -> Callable | None:
+    return _REPLAYS.get((op, impl), _REPLAYS.get((op, ANY)))
+
+
+@contextlib.contextmanager
+def replay_frame(frame) -> Iterator[None]:
+    """Put a replay frame in force for the body (genolong.train.keep: record in the forward, replay in
+    the recompute). The frame has `keeps(op)`, `replaying`, `record(...)`, `replay(...)`."""
+    token = _FRAME.set(frame)
+    try:
+        yield
+    finally:
+        _FRAME.reset(token)
 
 
 def register(op: str, impl: str, fn: Callable) -> None:

@@ -25,6 +25,9 @@ then recompute and offload (they wrap whole layers):
   most time to overlap). On a machine without CUDA there is no device memory to save, so None
   offloads nothing there; an explicit count still runs the (pageable) offload path, which is how
   the CPU tests use it.
+- keep_sparse (with recompute): a `KeptResults` (genolong.train.keep) given to every Recompute
+  wrapper: the recompute takes the DSA layers' selections and sparse attention from the forward
+  ("host": parked in the offloader's pinned pool; "device": kept on the GPU; "off": recomputed).
 - chunked_loss is the loop's (genolong.train.loss).
 """
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from genolong.train.keep import KeptResults
 from genolong.train.offload import HostOffloader, Offload, OffloadStats
 from genolong.train.options import MemoryOptions
 from genolong.train.recompute import Recompute, apply_recompute, checkpointed, decoder_body
@@ -82,6 +86,7 @@ class MemoryHandle:
     opts: MemoryOptions
     recompute: list[Recompute] = field(default_factory=list)
     offloader: HostOffloader | None = None
+    keep: KeptResults | None = None
 
     @property
     def stats(self) -> OffloadStats | None:
@@ -109,6 +114,8 @@ class MemoryHandle:
     def reset_stats(self) -> None:
         if self.offloader is not None:
             self.offloader.reset_stats()
+        if self.keep is not None:
+            self.keep.reset_stats()
 
     def describe(self) -> dict:
         return {
@@ -118,6 +125,7 @@ class MemoryHandle:
             "mhc_fp32_input": not self.opts.mhc_low_precision,
             "pinned": self.opts.offload_pinned,
             "overlap": self.opts.offload_overlap,
+            "keep_sparse": self.keep.where if self.keep is not None else "off",
         }
 
     def remove(self) -> None:
@@ -125,6 +133,7 @@ class MemoryHandle:
         for kind in (Offload, Recompute, ChunkedMoE, Fp32InputMHC):
             unwrap(self.model, kind)
         self.recompute = []
+        self.keep = None
         if self.offloader is not None:
             self.offloader.release()
 
@@ -141,6 +150,13 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
         handle.recompute = apply_recompute(model)
         if opts.offload:
             _apply_offload(handle, model, opts)
+        where = opts.kept_where()
+        if where == "host" and opts.keep_sparse == "auto" and not _on_cuda(model):
+            where = "device"  # host and device memory are one RAM: a copy would only cost time
+        if where is not None:
+            handle.keep = KeptResults(where, handle.offloader)
+            for wrapper in handle.recompute:
+                wrapper.keep = handle.keep
     return handle
 
 
@@ -201,3 +217,7 @@ def _hyper_connection_class() -> type:
     from genolong.model.mhc import HyperConnection
 
     return HyperConnection
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    return any(p.is_cuda for p in model.parameters())

@@ -171,15 +171,32 @@ class HostOffloader:
         self.stats = OffloadStats(peak_pinned_bytes=self._live_bytes)
         self._entries = [ref for ref in self._entries if ref() is not None]
 
+    # -- kept results (genolong.train.keep): parked outside the saved-tensor chain -------------------
+
+    def park(self, t: torch.Tensor, layer_idx: int):
+        """Copy `t` to a host buffer of the pool now (asynchronously on CUDA); `take` gives it back.
+        Unlike the layer inputs, parked tensors are not in the prefetch chain: the caller prefetches."""
+        return self._pack(t, layer_idx, True, chained=False)
+
+    def prefetch(self, entry) -> None:
+        """Start uploading a parked tensor (no-op if it stayed on the device or is on its way)."""
+        if isinstance(entry, _Saved) and entry.device.type == "cuda" and self.overlap and entry.prefetched is None:
+            self._upload(entry)
+
+    def take(self, entry) -> torch.Tensor:
+        """A parked tensor back on its device (waits for its upload on the current stream)."""
+        return entry.tensor if isinstance(entry, _Kept) else self._fetch(entry)
+
     # -- pack / unpack ----------------------------------------------------------------------------
 
-    def _pack(self, t: torch.Tensor, layer_idx: int, offload: bool):
+    def _pack(self, t: torch.Tensor, layer_idx: int, offload: bool, chained: bool = True):
         order = self._order
         self._order += 1
         nbytes = t.numel() * t.element_size()
         if not offload or nbytes < self.min_bytes or isinstance(t, torch.nn.Parameter) or t.device.type not in ("cuda", "cpu"):
             entry = _Kept(order, t)
-            self._entries.append(weakref.ref(entry))
+            if chained:
+                self._entries.append(weakref.ref(entry))
             return entry
         buf = self._take(nbytes, t.device)
         saved = _Saved(order, layer_idx, buf, t.shape, t.dtype, t.device)
@@ -199,24 +216,31 @@ class HostOffloader:
         else:
             host.copy_(t)
         self._live_bytes += nbytes
-        self.stats.packed += 1
-        self.stats.bytes_down += nbytes
-        self.stats.layers.add(layer_idx)
+        if chained:  # (the layer-input statistics; parked results are counted by genolong.train.keep)
+            self.stats.packed += 1
+            self.stats.bytes_down += nbytes
+            self.stats.layers.add(layer_idx)
         self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, self._live_bytes)
         weakref.finalize(saved, HostOffloader._give_back, weakref.ref(self), buf, nbytes)
-        self._entries.append(weakref.ref(saved))
+        if chained:
+            self._entries.append(weakref.ref(saved))
         return saved
 
     def _unpack(self, entry):
         if isinstance(entry, _Kept):
             self._prefetch_before(entry.order)
             return entry.tensor
-        saved: _Saved = entry
-        self.stats.unpacked += 1
+        out = self._fetch(entry, counted=True)
+        self._prefetch_before(entry.order)
+        return out
+
+    def _fetch(self, saved: _Saved, counted: bool = False) -> torch.Tensor:
+        if counted:
+            self.stats.unpacked += 1
         if saved.device.type == "cuda" and self.overlap:
             if saved.prefetched is None:
                 self._upload(saved)
-            else:
+            elif counted:
                 self.stats.prefetch_hits += 1
             out = saved.prefetched
             saved.prefetched = None
@@ -224,8 +248,8 @@ class HostOffloader:
         else:
             # A fresh tensor, never a view of the buffer: the buffer goes back to the pool.
             out = saved.host_view().to(saved.device, copy=True)
-        self.stats.bytes_up += out.numel() * out.element_size()
-        self._prefetch_before(saved.order)
+        if counted:
+            self.stats.bytes_up += out.numel() * out.element_size()
         return out
 
     def _upload(self, saved: _Saved) -> None:

@@ -20,6 +20,7 @@ from genolong.errors import GenolongError
 
 KERNEL_CHOICES = ("auto", "fused", "reference")
 LAUNCHERS = ("local", "ray")
+KEEP_CHOICES = ("auto", "host", "device", "off")
 
 
 @dataclass
@@ -31,6 +32,9 @@ class MemoryOptions:
     offload_layers: how many layers offload; None = as many as the GPU budget requires.
     offload_pinned: pinned (page-locked) host buffers; False = pageable (slower copies; ablation).
     offload_overlap: copies on their own CUDA streams, overlapped with compute.
+    keep_sparse: under recompute, keep the DSA layers' selections and sparse-attention results from
+      the forward for the recompute (genolong.train.keep): "host" (pinned host memory), "device",
+      "off" (recompute them), "auto" (host with offload on, else device).
     moe_chunking: run MoE layers over the sequence in chunks of `moe_chunk_tokens` tokens.
     mhc_low_precision: mHC mixing projection without an fp32 copy of its input.
     chunked_loss: LM head + loss in chunks of `loss_chunk_tokens` (no [T, vocab] logits).
@@ -42,6 +46,7 @@ class MemoryOptions:
     offload_layers: int | None = None
     offload_pinned: bool = True
     offload_overlap: bool = True
+    keep_sparse: str = "auto"
     moe_chunking: bool = True
     moe_chunk_tokens: int = 65536
     mhc_low_precision: bool = True
@@ -58,6 +63,7 @@ class MemoryOptions:
             "offload": False,
             "offload_pinned": False,
             "offload_overlap": False,
+            "keep_sparse": "off",
             "moe_chunking": False,
             "mhc_low_precision": False,
             "chunked_loss": False,
@@ -77,12 +83,24 @@ class MemoryOptions:
             # Offload moves the per-layer input that full recompute keeps; without recompute every
             # intermediate activation stays on the GPU and there is no single input to move.
             raise GenolongError("--offload needs recompute (it offloads the layer inputs recompute keeps); drop --no-recompute or add --no-offload")
+        if self.keep_sparse not in KEEP_CHOICES:
+            raise GenolongError(f"--keep-sparse must be one of {', '.join(KEEP_CHOICES)}, got {self.keep_sparse!r}")
+        if self.keep_sparse == "host" and not self.offload:
+            raise GenolongError("--keep-sparse host parks results in the offload's pinned host pool: add --offload or use --keep-sparse device / off")
         if self.offload_layers is not None and self.offload_layers < 0:
             raise GenolongError(f"offload_layers must be >= 0, got {self.offload_layers}")
         for name in ("moe_chunk_tokens", "loss_chunk_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise GenolongError(f"{name} must be positive, got {getattr(self, name)}")
         return self
+
+    def kept_where(self) -> str | None:
+        """Where recompute keeps the DSA results ("host" / "device"), or None (recomputed)."""
+        if not self.recompute or self.keep_sparse == "off":
+            return None
+        if self.keep_sparse == "auto":
+            return "host" if self.offload else "device"
+        return self.keep_sparse
 
 
 @dataclass

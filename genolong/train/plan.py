@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass, field
 
 from genolong.errors import GenolongError
-from genolong.model.config import LAYER_KDA, MLP_DENSE, MLP_MOE, ModelConfig
+from genolong.model.config import LAYER_DSA, LAYER_KDA, MLP_DENSE, MLP_MOE, ModelConfig
 from genolong.model.param_count import param_count
 from genolong.train.loss import auto_chunk_tokens
 from genolong.train.options import MemoryOptions
@@ -239,6 +239,19 @@ def _dsa(config: ModelConfig, a: int) -> dict[str, int]:
     }
 
 
+def kept_bytes_per_token(config: ModelConfig, layer_idx: int, a: int = 2, tp: int = 1) -> int:
+    """What recompute keeps of DSA layer `layer_idx` from its forward (genolong.train.keep), per
+    token: the selection (int32 pool indices and tail slots, genolong.model.kept_selection; layers
+    with an indexer) and the sparse attention's output + lse (of the num_heads / tp heads one GPU runs)."""
+    if config.layer_types[layer_idx] != LAYER_DSA:
+        return 0
+    d = config.dsa
+    heads = d.num_heads // tp
+    packed = d.indexer.topk_pools + (d.indexer.width - d.indexer.topk_pools * d.indexer.kpool)
+    selection = 4 * packed if config.indexer_runs(layer_idx) else 0
+    return selection + a * heads * d.kv_lora_rank + FP32 * heads
+
+
 def _dsa_op_internals(config: ModelConfig, a: int) -> int:
     return FP32 * config.dsa.num_heads  # the log-sum-exp per head
 
@@ -400,11 +413,13 @@ def estimate_memory(
     transient_name = max(transients, key=transients.get)
 
     loss_items = _loss_head(config, t, opts, a)
+    # (over the cp shard: a tp rank attends with its heads for every token of the shard)
+    kept_gpu = _kept_results(config, t.shard, opts, a, host, setup.layout.tp)
 
     if opts.recompute:
         if offload_layers is None:
             offload_layers = opts.offload_layers if opts.offload else 0
-        fixed = sum(gpu.values()) + transients[transient_name] + sum(loss_items.values())
+        fixed = sum(gpu.values()) + transients[transient_name] + sum(loss_items.values()) + sum(kept_gpu.values())
         working = [per_layer[i] + biggest[i] + 2 * stream_bytes for i in range(layers)]
         if offload_layers is None:  # offload on, count from the budget
             offload_layers = offload_layers_needed(fixed, stream_bytes, working, gpu_budget, overlap=opts.offload_overlap)
@@ -421,6 +436,7 @@ def estimate_memory(
         gpu["backward gradients"] = max(biggest) + 2 * stream_bytes
     gpu.update(loss_items)
     gpu[f"largest transient ({transient_name})"] = transients[transient_name]
+    gpu.update(kept_gpu)
 
     offloaded = {"offloaded layer inputs (pinned)" if opts.offload_pinned else "offloaded layer inputs (pageable)": offload_layers * stream_bytes}
     return MemoryEstimate(
@@ -464,6 +480,20 @@ def estimate_cpu_memory(
     est.host = {}
     est.opts = opts
     return est
+
+
+def _kept_results(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int, host: dict[str, int], tp: int) -> dict[str, int]:
+    """The GPU items of what recompute keeps from the forward (genolong.train.keep); adds the host's."""
+    where = opts.kept_where()
+    kept = [kept_bytes_per_token(config, i, a, tp) * tokens for i in range(config.num_layers)] if where else []
+    if where == "device":
+        # All alive at the backward of the last DSA layer (freed layer by layer after it).
+        return {"kept DSA results (device)": sum(kept)}
+    if where == "host":
+        host["kept DSA results (pinned)"] = sum(kept)
+        # A layer's own and the next one's (prefetched) are on the GPU during its recompute.
+        return {"kept DSA results in flight (2 layers)": sum(sorted(kept)[-2:])}
+    return {}
 
 
 def recompute_peak(stream_bytes: int, working: list[int], offloaded: int, overlap: bool = True) -> tuple[int, int, int]:

@@ -65,12 +65,30 @@ def test_stored_inputs_are_four_streams_per_layer():
 def test_offloaded_layers_move_from_gpu_to_host():
     config = get_preset("glm53-mini")
     seq = 524288
-    kept = estimate_memory(config, seq, MemoryOptions(offload=False))
-    moved = estimate_memory(config, seq, MemoryOptions(offload_layers=10))
+    # (keep_sparse off: offload also changes where the kept DSA results wait, tested below)
+    kept = estimate_memory(config, seq, MemoryOptions(offload=False, keep_sparse="off"))
+    moved = estimate_memory(config, seq, MemoryOptions(offload_layers=10, keep_sparse="off"))
     layer_input = seq * stored_input_bytes_per_token(config)
     assert moved.host_total == 10 * layer_input
     # Ten inputs leave the backward peak (at the top layer), one upload buffer comes back.
     assert kept.gpu_total - moved.gpu_total == 10 * layer_input - layer_input
+
+
+def test_kept_dsa_results_wait_on_the_host_or_the_gpu():
+    config = get_preset("glm53-mini")
+    seq = 524288
+    n_dsa = sum(t == "dsa" for t in config.layer_types)
+    # Per DSA layer and token: 512 pool indices + 3 tail slots (int32), 4 heads x 512 bf16 out, 4 fp32 lse.
+    per_layer = seq * ((512 + 3) * 4 + 4 * 512 * 2 + 4 * 4)
+    off = estimate_memory(config, seq, MemoryOptions(offload_layers=12, keep_sparse="off"))
+    host = estimate_memory(config, seq, MemoryOptions(offload_layers=12, keep_sparse="host"))
+    device = estimate_memory(config, seq, MemoryOptions(offload_layers=12, keep_sparse="device"))
+    assert n_dsa == 11
+    assert host.host["kept DSA results (pinned)"] == n_dsa * per_layer
+    assert host.host_total - off.host_total == n_dsa * per_layer
+    assert host.gpu_total - off.gpu_total == 2 * per_layer  # the layer recomputing and the next, uploaded
+    assert device.gpu_total - off.gpu_total == n_dsa * per_layer and device.host_total == off.host_total
+    assert estimate_memory(config, seq, MemoryOptions(recompute=False, offload=False)).host_total == 0
 
 
 def test_budgeted_offload_count_is_the_fewest_that_fit():
@@ -281,13 +299,13 @@ def test_host_only_shortfall_names_host_memory_and_asks_for_host_ram_first():
     from genolong.train.plan import shortfall
 
     config = get_preset("glm53-mini")
-    opts = MemoryOptions(host_budget_gib=4)
+    opts = MemoryOptions(host_budget_gib=4, keep_sparse="off")  # (off: the offload alone, as recorded)
     est = estimate_memory(config, 524288, opts, 1, H200)
     assert est.fits_gpu and not est.fits_host and est.short == ["pinned host memory"]
     fixes = shortfall(config, 524288, opts, 1, H200)
     assert fixes[0].startswith("more host RAM: --host-budget-gib 24 per GPU")
     # A fixed --offload-layers above what the GPU needs: fewer offloaded layers is the fix.
-    fixed = MemoryOptions(offload_layers=40, host_budget_gib=30)
+    fixed = MemoryOptions(offload_layers=40, host_budget_gib=30, keep_sparse="off")
     assert any(f.startswith("fewer offloaded layers: --offload-layers 12") for f in shortfall(config, 524288, fixed, 1, H200))
 
 

@@ -135,8 +135,12 @@ def test_host_memory_per_node_matches_the_seed_before_cp():
     est = _plan(L(tp=8), opts=MemoryOptions(offload_layers=45, host_budget_gib=4096))
     assert est.host["offloaded layer inputs (pinned)"] == 180 * GIB
     assert est.node_host["offloaded layer inputs (pinned)"] == 1440 * GIB
-    # cp=2 halves it.
-    assert _plan(L(tp=8, cp=2), opts=MemoryOptions(offload_layers=45, host_budget_gib=4096)).host_total == 90 * GIB
+    # cp=2 halves it (and the kept DSA results: 8 of 64 heads a GPU, the shard's tokens).
+    halved = _plan(L(tp=8, cp=2), opts=MemoryOptions(offload_layers=45, host_budget_gib=4096))
+    assert halved.host["offloaded layer inputs (pinned)"] == 90 * GIB
+    per_token = (512 + 3) * 4 + 8 * 512 * 2 + 8 * 4
+    n_dsa = sum(t == "dsa" for t in FLASH.layer_types)
+    assert halved.host["kept DSA results (pinned)"] == n_dsa * (M // 2) * per_token
 
 
 def test_gathered_latent_and_tp_held_tensors_by_hand():
@@ -168,10 +172,11 @@ def test_layout_one_adds_nothing(seq):
     [
         # Recorded from the single-GPU plan before the parallel terms existed (main at 85b1973),
         # H200 budget of 141 GiB x 0.92, 256 GiB of host RAM.
-        ("glm53-mini", 524288, MemoryOptions(host_budget_gib=4096), 1, 137887330912, 25769803776, 12),
+        # (keep_sparse off: the kept DSA results came later; tests/train/test_plan.py covers them)
+        ("glm53-mini", 524288, MemoryOptions(host_budget_gib=4096, keep_sparse="off"), 1, 137887330912, 25769803776, 12),
         ("glm53-mini", 131072, MemoryOptions.baseline(), 1, 608392278624, 0, 0),
-        ("glm-5.3-flash", 32768, MemoryOptions(offload=False), 2, 5218277655776, 0, 0),
-        ("tiny", 4096, MemoryOptions(mhc_low_precision=False, offload_layers=5), 1, 160710400, 8388608, 4),
+        ("glm-5.3-flash", 32768, MemoryOptions(offload=False, keep_sparse="off"), 2, 5218277655776, 0, 0),
+        ("tiny", 4096, MemoryOptions(mhc_low_precision=False, offload_layers=5, keep_sparse="off"), 1, 160710400, 8388608, 4),
     ],
 )
 def test_single_gpu_plan_is_unchanged(name, seq, opts, batch, gpu_total, host_total, offloaded):
