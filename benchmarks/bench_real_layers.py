@@ -29,8 +29,10 @@ after the time budget, is recorded as not run, with the reason. Results append t
 The per-GPU step estimate for one 1M-token sequence on 64 GPUs (cp = 8 x tp = 8, ep = 8 for the
 MoE) is compute only (no all-to-all, all-reduce or expert dispatch; perfect balance), with
 full-layer recompute (one more forward per layer):
-  34 x (kda8 fwd+bwd + fwd) + 11 x (dsa8 fwd+bwd + fwd + 2 x (idx-cp8-r7 - the 4-head indexer
+  34 x (kda8 fwd+bwd + fwd) + 11 x (dsa8 fwd+bwd + fwd + (idx-cp8-r7 - the 4-head indexer
   at 128k)) + 42 x (moe36 fwd+bwd + fwd) + 3 x (mlp fwd+bwd + fwd) + 45 x (mhc fwd+bwd + fwd),
+(the indexer's extra once: the recompute replays the forward's selection, genolong.train.keep;
+the DSA recompute forward, which no longer attends either, is still counted whole: an upper bound),
 all at 128k tokens per GPU (each cp rank holds 128k tokens; KDA's head split gives each GPU 1
 head over 1M tokens, the same work as 8 heads over 128k). The LM head and the optimizer are left
 out (small at 64-way sharding).
@@ -169,15 +171,7 @@ def layer_cells(run: Run, size: str, reps: int, tp: int) -> None:
     c = config(tp)
     heads = c.kda.num_heads
 
-    def kda(c=c):
-        layer = init_(lambda: KimiDeltaAttention(c.hidden, c.kda, c.rms_eps, 0))
-        x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        f, b = fwd_bwd(layer, x)
-        return f, b, 3 * flops.kda_forward(c, seq)
-
-    run.cell(f"kda{heads}", size, kda, reps)
-    run.cell(f"sdpa-kda{heads}", size, lambda c=c: sdpa(c.kda.num_heads, c.kda.head_dim, c.kda.head_dim, seq), reps)
-
+    # DSA first: the largest part of the estimate, and kda64's first call autotunes fla for minutes.
     def dsa(c=c):
         layer = init_(lambda: DSAAttention(c.hidden, c.dsa, c.rms_eps, 3, has_indexer=True))
         x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -188,6 +182,15 @@ def layer_cells(run: Run, size: str, reps: int, tp: int) -> None:
     run.cell(f"dsa{c.dsa.num_heads}", size, dsa, reps)
     run.cell(f"sdpa-dsa{c.dsa.num_heads}", size,
              lambda c=c: sdpa(c.dsa.num_heads, c.dsa.qk_head_dim, c.dsa.v_head_dim, seq), reps)
+
+    def kda(c=c):
+        layer = init_(lambda: KimiDeltaAttention(c.hidden, c.kda, c.rms_eps, 0))
+        x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        f, b = fwd_bwd(layer, x)
+        return f, b, 3 * flops.kda_forward(c, seq)
+
+    run.cell(f"kda{heads}", size, kda, reps)
+    run.cell(f"sdpa-kda{heads}", size, lambda c=c: sdpa(c.kda.num_heads, c.kda.head_dim, c.kda.head_dim, seq), reps)
 
     def indexer(c=c, offset=0, n_pools=seq // c.dsa.indexer.kpool):
         ix = c.dsa.indexer
@@ -275,7 +278,10 @@ def estimate(run: Run) -> list[str]:
     idx_r7, idx_128k = run.ms("idx-cp8-r7"), run.ms("indexer4")
     parts = {"34 KDA": kda, "11 DSA": dsa, "42 MoE": moe, "3 dense MLP": mlp, "45 mHC pairs": mhc, "11 indexer beyond 128k": None}
     if idx_r7 is not None and idx_128k is not None:
-        parts["11 indexer beyond 128k"] = 2 * (idx_r7 - idx_128k)  # forward and the recompute's forward
+        # The forward's only: the recompute replays the kept selection (genolong.train.keep; it ran
+        # twice before 2026-12-02). The DSA layer's recompute forward is still counted whole, although
+        # it no longer runs the sparse attention or the selection (not measured apart at this shape).
+        parts["11 indexer beyond 128k"] = idx_r7 - idx_128k
     counts = {"34 KDA": 34, "11 DSA": 11, "42 MoE": 42, "3 dense MLP": 3, "45 mHC pairs": 45, "11 indexer beyond 128k": 11}
     lines = ["", "Per-GPU step estimate, 1M tokens on 64 GPUs (cp=8 x tp=8, ep=8), compute only, full recompute:"]
     total, missing = 0.0, []
@@ -296,7 +302,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="128k,64k", help="the first size gets every cell before the next starts")
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled mHC cell")
+    ap.add_argument("--groups", default="tp8,moe36,mlp,mhc,tp1,moe288",
+                    help="which cell groups run, in this order's subset: tp8 (kda8, dsa8, SDPA, indexers), moe36, mlp, mhc, "
+                         "tp1 (kda64, dsa64 and their SDPA), moe288")
     args = ap.parse_args()
+    groups = {g.strip() for g in args.groups.split(",") if g.strip()}
+    unknown = groups - {"tp8", "moe36", "mlp", "mhc", "tp1", "moe288"}
+    if unknown:
+        ap.error(f"unknown --groups {', '.join(sorted(unknown))}")
     args.out.mkdir(parents=True, exist_ok=True)
     kernels.load()
     ops.use("fused")
@@ -305,14 +318,20 @@ def main() -> None:
     for size in [s for s in args.sizes.split(",") if s]:
         reps = 2 if SIZES[size] >= K128 else 3
         # What the 64-GPU estimate needs first (tp=8 shapes), then the whole model's heads.
-        layer_cells(run, size, reps, tp=8)
-        moe_cell(run, size, reps, local_experts=36)
-        mlp_cell(run, size, reps)
-        mhc_cells(run, size, reps, compiled=False)
-        if not args.no_compile:
-            mhc_cells(run, size, reps, compiled=True)
-        layer_cells(run, size, reps, tp=1)
-        moe_cell(run, size, reps, local_experts=288)
+        if "tp8" in groups:
+            layer_cells(run, size, reps, tp=8)
+        if "moe36" in groups:
+            moe_cell(run, size, reps, local_experts=36)
+        if "mlp" in groups:
+            mlp_cell(run, size, reps)
+        if "mhc" in groups:
+            mhc_cells(run, size, reps, compiled=False)
+            if not args.no_compile:
+                mhc_cells(run, size, reps, compiled=True)
+        if "tp1" in groups:
+            layer_cells(run, size, reps, tp=1)
+        if "moe288" in groups:
+            moe_cell(run, size, reps, local_experts=288)
     print(f"\n{'cell':<14} {'size':>5} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | {'TFLOP/s':>7} | {'peak GiB':>8} | note")
     for r in run.rows:
         cols = [r.get(k) for k in ("fwd_ms", "ms", "tflops", "peak_gib")]

@@ -29,6 +29,9 @@ own audit, and it is never process-global. It is in force
   `use(name)` sets the current context's policy (scripts). A model's own policy wins over the
   context's; a model without one runs under the caller's.
 Without either, a context gets its own "reference" policy on first use.
+
+Replay frames (`replay_frame`, opened by genolong.train.keep around a checkpointed layer): a
+keepable op's result is recorded in the forward and handed back to the recompute (docs/ops.md).
 """
 
 from __future__ import annotations

@@ -83,6 +83,11 @@ def finetune(
     offload_layers: Annotated[
         int | None, typer.Option(help="Layers that offload (default: as many as the GPU budget needs).", rich_help_panel=_MEM, show_default=False)
     ] = None,
+    keep_sparse: Annotated[
+        str,
+        typer.Option(help="Under recompute, keep the DSA selections and sparse-attention results from the forward instead of "
+                          "recomputing them: host (pinned memory), device, off; auto = host with --offload, else device.", rich_help_panel=_MEM),
+    ] = "auto",
     pinned: Annotated[bool, typer.Option("--pinned/--no-pinned", help="Pinned (page-locked) host buffers.", rich_help_panel=_MEM)] = True,
     overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Offload copies on their own streams.", rich_help_panel=_MEM)] = True,
     moe_chunking: Annotated[bool, typer.Option("--moe-chunking/--no-moe-chunking", help="MoE in sequence chunks.", rich_help_panel=_MEM)] = True,
@@ -165,6 +170,7 @@ def finetune(
                 offload=offload and recompute,
                 offload_pinned=pinned,
                 offload_overlap=overlap,
+                keep_sparse=keep_sparse,
                 moe_chunking=moe_chunking,
                 mhc_low_precision=mhc_low_precision,
                 chunked_loss=chunked_loss,

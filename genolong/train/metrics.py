@@ -31,7 +31,7 @@ class StepRecord:
     hfu: float | None
     peak_gpu_gib: float | None  # torch.cuda.max_memory_allocated during the step
     reserved_gpu_gib: float | None
-    pinned_host_gib: float | None  # peak host bytes holding offloaded layer inputs during the step
+    pinned_host_gib: float | None  # peak host bytes holding offloaded layer inputs and kept DSA results during the step
     nonfinite_total: int  # skipped steps so far in the run
     aux_loss: float | None = None  # expert balance loss added to the objective (all MoE layers); None = off
     # Per MoE layer ("3": value): tokens routed to the busiest / idlest expert over the mean per

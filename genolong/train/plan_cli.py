@@ -74,6 +74,7 @@ def plan(
     recompute: bool = typer.Option(True, "--recompute/--no-recompute", help="Full-layer activation recompute"),
     offload: bool = typer.Option(True, "--offload/--no-offload", help="Offload layer inputs to pinned host memory"),
     offload_layers: int | None = typer.Option(None, "--offload-layers", help="Layers to offload (default: as many as needed)"),
+    keep_sparse: str = typer.Option("auto", "--keep-sparse", help="Kept DSA results under recompute: auto, host, device, off (as in finetune)"),
     moe_chunking: bool = typer.Option(True, "--moe-chunking/--no-moe-chunking", help="MoE in checkpointed sequence chunks"),
     moe_chunk: str = typer.Option("64k", "--moe-chunk", help="Tokens per MoE chunk"),
     chunked_loss: bool = typer.Option(True, "--chunked-loss/--no-chunked-loss", help="LM head + loss in sequence chunks"),
@@ -154,6 +155,7 @@ def plan(
             mhc_low_precision=mhc_low_precision,
             offload_pinned=pinned,
             offload_overlap=overlap,
+            keep_sparse=keep_sparse,
             **memory_fields,
         )
     config = get_preset(preset)
