@@ -27,10 +27,13 @@ def pack_selection(idx: torch.Tensor, *, kpool: int, topk_pools: int) -> tuple[t
     body = idx[..., :groups]
     pools = torch.div(body[..., ::kpool], kpool, rounding_mode="floor")  # -1 // kpool = -1
     flat_pools, flat_body = pools.reshape(-1, topk_pools), body.reshape(-1, groups)
+    # One flag on the device, read once: a host sync per chunk would stall the GPU's queue each time.
+    differs = torch.zeros((), dtype=torch.bool, device=idx.device)
     for r0 in range(0, flat_body.shape[0], _CHECK_ROWS):
         rows = slice(r0, r0 + _CHECK_ROWS)
-        if not torch.equal(_expand(flat_pools[rows], kpool), flat_body[rows]):
-            return (idx,)
+        differs |= (_expand(flat_pools[rows], kpool) != flat_body[rows]).any()
+    if bool(differs):
+        return (idx,)
     return pools.contiguous(), idx[..., groups:].contiguous()
 
 
