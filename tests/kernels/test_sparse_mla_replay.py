@@ -10,20 +10,13 @@ import sys
 
 import pytest
 
+from tests.kernels.test_sparse_mla_triton import INTERPRETER_PATCH
+
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-_INTERPRETED = r"""
+_INTERPRETED = INTERPRETER_PATCH + r"""
 import json
-import numpy as np
 import torch
-import triton.runtime.interpreter as interp
-
-# (the numpy >= 2.4 workaround of tests/kernels/test_sparse_mla_triton.py)
-_patch = interp._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-interp._patch_lang_tensor = _patched
 
 from genolong.kernels import sparse_mla
 from genolong.model.sparse_replay import sparse_attention_replay_reference

@@ -63,10 +63,9 @@ CASES = {
 }
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
 
-_INTERPRETED = r"""
-import json, sys
+# The start of every interpreted script here (also tests/kernels/test_sparse_mla_replay.py).
+INTERPRETER_PATCH = r"""
 import numpy as np
-import torch
 import triton.runtime.interpreter as interp
 
 # Triton 3.6's interpreter turns a scalar into an index with int() of a 1-element array, which
@@ -76,6 +75,11 @@ def _patched(tensor, scope):
     _patch(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 interp._patch_lang_tensor = _patched
+"""
+
+_INTERPRETED = INTERPRETER_PATCH + r"""
+import json, sys
+import torch
 
 from genolong.kernels import _common, sparse_mla, sparse_mla_grouped as grouped
 from genolong.kernels.sparse_mla_triton import Config
