@@ -40,6 +40,10 @@ def test_memory_flags_reach_the_options(data, tmp_path):
     options = TrainOptions.from_dict(json.loads((out / "options.json").read_text()))
     m = options.memory
     assert (m.recompute, m.offload, m.moe_chunking, m.chunked_loss, m.loss_chunk_tokens) == (False, False, False, True, 32)
+    kept = _run("--data", data, "--out", tmp_path / "k", "--steps", 1, *TINY, "--no-offload", "--keep-sparse", "device")
+    assert kept.exit_code == 0, kept.output
+    k = TrainOptions.from_dict(json.loads((tmp_path / "k" / "options.json").read_text())).memory
+    assert (k.keep_sparse, k.kept_where()) == ("device", "device")
     base = _run("--data", data, "--out", tmp_path / "b", "--steps", 1, *TINY, "--baseline")
     assert base.exit_code == 0, base.output
     b = TrainOptions.from_dict(json.loads((tmp_path / "b" / "options.json").read_text())).memory
@@ -69,6 +73,7 @@ def test_balance_and_repeat_flags_reach_the_options(data, tmp_path):
         (["--out", "{tmp}/r"], "needs --data"),
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--repeat-weight", "2"], "--repeat-weight must be in [0, 1]"),
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--balance-rate", "-1"], "--balance-rate and --aux-loss-coeff must be >= 0"),
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--keep-sparse", "gpu"], "--keep-sparse must be one of auto, host, device, off"),
     ],
 )
 def test_bad_input_is_one_line(data, tmp_path, args, message):
