@@ -294,7 +294,8 @@ class HostOffloader:
         if self.host_budget_bytes is not None and self.reserved_bytes() + nbytes > self.host_budget_bytes:
             raise GenolongError(
                 f"offload needs {_gib(self.reserved_bytes() + nbytes)} of host memory, more than the "
-                f"{_gib(self.host_budget_bytes)} host budget; offload fewer layers (--offload-layers) or shorten --seq"
+                f"{_gib(self.host_budget_bytes)} host budget; offload fewer layers (--offload-layers), keep the DSA results "
+                "on the GPU or not at all (--keep-sparse device / off), or shorten --seq"
             )
         pin = self.pinned and device.type == "cuda"
         buf = _allocate(nbytes, pin)

@@ -217,3 +217,13 @@ def test_selections_are_kept_as_pools_and_come_back_exactly(monkeypatch):
     shuffled[1, 50, :2] = shuffled[1, 50, :2].flip(0)
     whole = pack_selection(shuffled, kpool=4, topk_pools=6)
     assert len(whole) == 1 and torch.equal(unpack_selection(whole, kpool=4), shuffled)
+
+
+def test_a_host_budget_too_small_for_the_kept_results_is_one_line(config):
+    model = _model(config)
+    handle = apply_memory_optimizations(model, MemoryOptions(offload_layers=0, moe_chunking=False, keep_sparse="host", host_budget_gib=1e-6))
+    handle.offloader.min_bytes = 0
+    with pytest.raises(GenolongError, match=r"more than the 0.0 GiB host budget; .*--keep-sparse device / off") as err:
+        _loss_and_grads(model)
+    assert "\n" not in str(err.value)
+    handle.remove()
