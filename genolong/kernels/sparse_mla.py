@@ -330,6 +330,7 @@ class _SparseMLA(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable again
     def backward(ctx, dout, _dlse):
         q, kv, indices, out, lse = ctx.saved_tensors
         dq, dkv = _backward(q, kv, indices, out, lse, dout.contiguous().to(q.dtype), ctx.scale, ctx.mode,

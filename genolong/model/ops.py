@@ -103,8 +103,9 @@ class KernelPolicy:
             # recompute to save the same tensors as the forward, so both save what the replay saves.
             with torch.no_grad():
                 kept = spec.kept(fn(*args, **{**kwargs, **spec.record_kwargs}), kwargs)
-            frame.record(op, layer_idx, name, args, kept)
-            return replay(kept, *args, **kwargs)
+            out = replay(kept, *args, **kwargs)
+            frame.record(op, layer_idx, name, args, kept)  # (after the replay: nothing recorded if it raised)
+            return out
 
         return self._run(op, layer_idx, record)
 
@@ -269,10 +270,28 @@ def call(op: str, layer_idx: int, *args, **kwargs):
     return active().call(op, layer_idx, *args, **kwargs)
 
 
+class Reenterable:
+    """A context manager made afresh by `factory()` at each entry: torch's checkpoint enters its
+    recompute context once per recompute, and a graph kept with retain_graph recomputes again."""
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.factory = factory
+        self._entered: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self):
+        cm = self.factory()
+        self._entered.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self._entered.pop().__exit__(*exc)
+
+
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """`context_fn` for torch.utils.checkpoint: the recompute in backward (another thread on CUDA,
     where this context's variables are unset) runs under the policy in force at forward."""
-    return contextlib.nullcontext(), policy(active())
+    chosen = active()
+    return contextlib.nullcontext(), Reenterable(lambda: policy(chosen))
 
 
 def bind(model, name: str | KernelPolicy) -> KernelPolicy:

@@ -67,6 +67,7 @@ class _KeptSparseAttention(torch.autograd.Function):
         return out.view_as(out), lse.view_as(lse)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # out and lse are constants here: no double backward
     def backward(ctx, dout, _dlse):
         q, kv, indices, out, lse = ctx.saved_tensors
         dq, dkv = sparse_attention_backward_reference(q, kv, indices, out, lse, dout, scale=ctx.scale)

@@ -135,7 +135,8 @@ class KeptResults:
         self._frames = [f for f in self._frames if f() is not None]
         self._frames.append(weakref.ref(frame))
         policy_forward, policy_recompute = ops.recompute_context()
-        return _joined(policy_forward, ops.replay_frame(frame)), _joined(policy_recompute, self._replaying(frame))
+        return (_joined(policy_forward, ops.replay_frame(frame)),
+                ops.Reenterable(lambda: _joined(policy_recompute, self._replaying(frame))))
 
     @contextlib.contextmanager
     def _replaying(self, frame: ReplayFrame):

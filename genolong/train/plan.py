@@ -242,13 +242,15 @@ def _dsa(config: ModelConfig, a: int) -> dict[str, int]:
 def kept_bytes_per_token(config: ModelConfig, layer_idx: int, a: int = 2, tp: int = 1) -> int:
     """What recompute keeps of DSA layer `layer_idx` from its forward (genolong.train.keep), per
     token: the selection (int32 pool indices and tail slots, genolong.model.kept_selection; layers
-    with an indexer) and the sparse attention's output + lse (of the num_heads / tp heads one GPU runs)."""
+    with an indexer; its 1/tp under tensor parallelism) and the sparse attention's output + lse (of
+    the num_heads / tp heads one GPU runs)."""
     if config.layer_types[layer_idx] != LAYER_DSA:
         return 0
     d = config.dsa
     heads = d.num_heads // tp
     packed = d.indexer.topk_pools + (d.indexer.width - d.indexer.topk_pools * d.indexer.kpool)
-    selection = 4 * packed if config.indexer_runs(layer_idx) else 0
+    # Under tp the sequence-sharded indexer selects (and records) its 1/tp of the queries.
+    selection = 4 * packed // tp if config.indexer_runs(layer_idx) else 0
     return selection + a * heads * d.kv_lora_rank + FP32 * heads
 
 
@@ -472,7 +474,10 @@ def estimate_cpu_memory(
     else:
         budget = int((ram_bytes if ram_bytes is not None else _physical_ram()) * HOST_USABLE)
     # Offload copies into the same RAM: plan the inputs as kept, against the RAM budget.
-    kept = MemoryOptions.from_dict({**opts.to_dict(), "offload": False, "offload_layers": None, "gpu_budget_gib": budget / GIB})
+    # (kept DSA results in host memory are in the same RAM: plan them as kept on the "device")
+    keep = "device" if opts.keep_sparse == "host" else opts.keep_sparse
+    kept = MemoryOptions.from_dict({**opts.to_dict(), "offload": False, "offload_layers": None, "gpu_budget_gib": budget / GIB,
+                                    "keep_sparse": keep})
     est = estimate_memory(model_config, seq_len, kept, 1, budget, batch=batch, dtype_bytes=dtype_bytes, host_bytes=budget)
     static = sum(static_bytes(model_config, dtype_bytes).values())
     est.gpu["reference ops (CPU)"] = int((CPU_REFERENCE_FACTOR - 1) * (est.gpu_total - static))
@@ -687,6 +692,7 @@ def shortfall(
     if est.fits:
         return []
     found = _flag_fixes(opts, lambda o: trial(o=o).fits)
+    found += _keep_fixes(trial, opts, device)
     if device == "cpu":
         found.append(f"more RAM: {_gib(est.gpu_total / HOST_USABLE)} installed, or --host-budget-gib {math.ceil(est.gpu_total / GIB)}")
     else:
@@ -751,6 +757,19 @@ def _flag_fixes(opts: MemoryOptions, fits) -> list[str]:
     if not found and len(off) > 1 and fits(changed(full)):
         found.append("the full memory stack (drop --baseline / every --no-* flag)")
     return found
+
+
+def _keep_fixes(trial, opts: MemoryOptions, device: str) -> list[str]:
+    """Kept DSA results moved off the GPU (to pinned memory) or not kept at all, if that fits."""
+    where = opts.kept_where()
+    if where is None:
+        return []
+    choices = ["host"] if where == "device" and opts.offload and device != "cpu" else []
+    for choice in choices + ["off"]:
+        if trial(o=MemoryOptions.from_dict({**opts.to_dict(), "keep_sparse": choice})).fits:
+            why = "in pinned host memory" if choice == "host" else "recomputed, not kept"
+            return [f"the DSA results {why}: --keep-sparse {choice}"]
+    return []
 
 
 def _offload_fixes(est: MemoryEstimate, trial, opts: MemoryOptions) -> list[str]:

@@ -227,3 +227,48 @@ def test_a_host_budget_too_small_for_the_kept_results_is_one_line(config):
         _loss_and_grads(model)
     assert "\n" not in str(err.value)
     handle.remove()
+
+
+@pytest.mark.parametrize("keep", ["device", "host"])
+def test_a_retained_graph_recomputes_and_replays_again(config, keep):
+    model = _model(config)
+    handle = apply_memory_optimizations(model, MemoryOptions(offload_layers=0, moe_chunking=False, keep_sparse=keep))
+    ids = torch.randint(0, 5, (1, T + 1), generator=torch.Generator().manual_seed(1))
+    loss = chunked_lm_loss(model.hidden_states(ids[:, :-1]), model.lm_head.weight, ids[:, 1:], ids[:, 1:] != N_ID, 64)
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    loss.backward()  # the checkpoint recomputes every layer a second time, from the same kept results
+    for name, g in once.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, 2 * g, rtol=1e-5, atol=1e-8, msg=name)
+    assert handle.keep.stats.replayed == 2 * handle.keep.stats.recorded
+    handle.remove()
+
+
+def test_the_replayed_attention_refuses_a_double_backward():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 6, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(1, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, 6, (1, 6, 3), generator=g, dtype=torch.int32)
+    with torch.no_grad():
+        kept = sparse_attention_reference(q, kv, idx, scale=0.5, return_lse=True)
+    out = sparse_attention_replay_reference(kept, q, kv, idx, scale=0.5)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    # The kept out and lse are constants of this node: a second derivative would be silently wrong.
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
+def test_plans_with_kept_results_on_the_cpu_and_the_fix_when_they_do_not_fit():
+    from genolong.train.plan import estimate_cpu_memory, estimate_memory, shortfall
+
+    tiny = get_preset("tiny")
+    host = estimate_cpu_memory(tiny, 4096, MemoryOptions(keep_sparse="host"), ram_bytes=8 << 30)  # one RAM: kept in it
+    device = estimate_cpu_memory(tiny, 4096, MemoryOptions(keep_sparse="device"), ram_bytes=8 << 30)
+    assert host.gpu_total == device.gpu_total and "kept DSA results (device)" in host.gpu
+    mini = get_preset("glm53-mini")
+    opts = MemoryOptions(offload=False, keep_sparse="device", gpu_budget_gib=None)
+    # 128k without offload: ~51.7 GiB planned, + 8.3 GiB of kept results; a 61 GiB GPU's budget is 56 GiB.
+    kept = estimate_memory(mini, 131072, opts, gpu_bytes=61 << 30)
+    off = estimate_memory(mini, 131072, MemoryOptions(offload=False, keep_sparse="off"), gpu_bytes=61 << 30)
+    assert not kept.fits and off.fits
+    assert "the DSA results recomputed, not kept: --keep-sparse off" in shortfall(mini, 131072, opts, 1, 61 << 30)

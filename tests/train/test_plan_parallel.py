@@ -135,10 +135,10 @@ def test_host_memory_per_node_matches_the_seed_before_cp():
     est = _plan(L(tp=8), opts=MemoryOptions(offload_layers=45, host_budget_gib=4096))
     assert est.host["offloaded layer inputs (pinned)"] == 180 * GIB
     assert est.node_host["offloaded layer inputs (pinned)"] == 1440 * GIB
-    # cp=2 halves it (and the kept DSA results: 8 of 64 heads a GPU, the shard's tokens).
+    # cp=2 halves it (and the kept DSA results: 8 of 64 heads a GPU, over the cp shard's tokens).
     halved = _plan(L(tp=8, cp=2), opts=MemoryOptions(offload_layers=45, host_budget_gib=4096))
     assert halved.host["offloaded layer inputs (pinned)"] == 90 * GIB
-    per_token = (512 + 3) * 4 + 8 * 512 * 2 + 8 * 4
+    per_token = (512 + 3) * 4 // 8 + 8 * 512 * 2 + 8 * 4  # the tp rank selects for 1/8 of the queries
     n_dsa = sum(t == "dsa" for t in FLASH.layer_types)
     assert halved.host["kept DSA results (pinned)"] == n_dsa * (M // 2) * per_token
 
