@@ -21,8 +21,9 @@ Where the tensors wait (`where`):
 - "host": parked in host memory through the HostOffloader's pinned pool (copied down on its own
   stream as soon as they exist). When backward's recompute of a layer starts, the uploads of that
   layer's tensors and of the next layer backward will recompute begin, so a copy overlaps a layer
-  of compute and at most two layers' kept tensors are on the GPU. This is the default: 1.5 GiB per
-  DSA layer at 128k, 6 GiB at 512k (3 + ~1.5 GiB for glm53-mini's 4 heads) stay off the GPU.
+  of compute and at most two layers' kept tensors are on the GPU. This is the default: for
+  glm53-mini (4 heads, the selection packed: genolong.model.kept_selection) 0.75 GiB per DSA layer
+  at 128k and 3 GiB at 512k stay off the GPU (8.3 / 33 GiB pinned for its 11 DSA layers).
 - "device": kept on the GPU until the layer's backward (short sequences; what a CPU run uses).
 """
 
