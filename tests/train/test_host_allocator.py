@@ -14,8 +14,8 @@ import resource, sys, torch
 from genolong.train.host_allocator import keep_freed_host_memory
 set_ = sys.argv[1] == "keep" and keep_freed_host_memory()
 x = torch.ones(1 << 20)
-for _ in range(3):  # warm-up: the heap grows once
-    y = (x * 2).sum()
+for _ in range(10):  # warm-up with the measured expression itself: the heap grows once
+    y = (x * 2 + 1).sum()
 start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(200):  # 4 MiB temporaries, freed at once: glibc maps fresh pages for each by default
     y = (x * 2 + 1).sum()
@@ -36,8 +36,11 @@ def _faults(mode: str) -> tuple[str, int]:
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
     (_, default), (was_set, kept) = _faults("default"), _faults("keep")
     assert was_set == "True"
-    # Measured: 12k faults by default (glibc trims and maps again), 1k kept (torch's own).
-    assert default > 5_000 and kept * 5 < default, (default, kept)
+    # A 4 MiB temporary mapped afresh costs 1,024 faults. Measured (2-core VM, 200 iterations):
+    # 30k-400k faults by default (glibc trims and maps again; its adaptive threshold makes the
+    # count vary from run to run), 0-1,024 kept (at most one late growth of the heap).
+    assert kept <= 2 * 1024 + 100, (default, kept)
+    assert default > 5_000 and default > 3 * kept, (default, kept)
 
 
 def test_user_malloc_settings_are_left_alone():
