@@ -40,8 +40,28 @@ def sparse_attention_reference(
     and with `return_lse` also the natural-log log-sum-exp [B,T,H] (no gradient; fp32, or the
     input's dtype if wider).
 
-    A query whose slots are all -1 attends to nothing and gets zeros (and lse -inf).
+    A query whose slots are all -1 attends to nothing and gets zeros (and lse -inf). A key listed
+    twice in a query's slots counts twice (as a kernel gathering the slots would count it).
+
+    Two formulations of the same sum, chosen by cost: gathering each query's W selected latents
+    (the kernels' way; memory traffic B*T*W*Dl), or, when the selection is wide against the
+    sequence (a short window with the full top-k, as in CPU training), dense scores against all S
+    keys with the selection as a mask (B*T*S*H scores, one GEMM) -- at W = S with Dl = 64 and
+    H = 4 the dense form moves ~16x less memory.
     """
+    if _dense_is_cheaper(q, kv, indices):
+        return _masked_dense_attention(q, kv, indices, scale=scale, return_lse=return_lse)
+    return _gathered_attention(q, kv, indices, scale=scale, return_lse=return_lse)
+
+
+def _dense_is_cheaper(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
+    heads, latent = q.shape[2], q.shape[3]
+    width, keys = indices.shape[-1], kv.shape[1]
+    # Gathered: W latents of Dl per query; dense: S scores per head per query (plus the mask).
+    return width * latent > 2 * keys * (heads + 1)
+
+
+def _gathered_attention(q, kv, indices, *, scale: float, return_lse: bool):
     batch, seq, _, latent = q.shape
     width = indices.shape[-1]
     step = max(1, _GATHER_ELEMENTS // max(1, batch * width * latent))
@@ -58,6 +78,32 @@ def sparse_attention_reference(
         scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
         outputs.append(torch.matmul(probs, gathered))
+        if return_lse:
+            lses.append(torch.logsumexp(scores.detach(), dim=-1))
+    out = torch.cat(outputs, dim=1)
+    return (out, torch.cat(lses, dim=1)) if return_lse else out
+
+
+def _masked_dense_attention(q, kv, indices, *, scale: float, return_lse: bool):
+    """The same sum over all S keys, each key's score shifted by log(times it is selected): 0 for
+    once, -inf for never, log 2 for a duplicate slot; chunked over queries like the gather."""
+    batch, seq, heads, latent = q.shape
+    keys = kv.shape[1]
+    step = max(1, _GATHER_ELEMENTS // max(1, batch * heads * keys))
+    kv_t = kv.transpose(-1, -2)  # [B, Dl, S]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    outputs, lses = [], []
+    for t0 in range(0, seq, step):
+        idx = indices[:, t0 : t0 + step].long()
+        rows = idx.shape[1]
+        counts = torch.zeros(batch, rows, keys + 1, dtype=wide, device=q.device)
+        # Unused slots (-1) are counted in an extra column that is dropped.
+        counts.scatter_add_(2, torch.where(idx >= 0, idx, keys), torch.ones_like(idx, dtype=wide))
+        shift = counts[..., :keys].log().unsqueeze(2)  # [B, t, 1, S]
+        scores = torch.matmul(q[:, t0 : t0 + step].flatten(1, 2), kv_t).view(batch, rows, heads, keys)
+        scores = scores.to(wide) * scale + shift
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
+        outputs.append(torch.matmul(probs.flatten(1, 2), kv).view(batch, rows, heads, latent))
         if return_lse:
             lses.append(torch.logsumexp(scores.detach(), dim=-1))
     out = torch.cat(outputs, dim=1)

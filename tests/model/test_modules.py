@@ -147,8 +147,12 @@ def dense_masked_attention(q, kv, indices, scale):
     return torch.einsum("bths,bsl->bthl", scores.softmax(-1), kv)
 
 
+@pytest.mark.parametrize("dense_form", [False, True])
 @pytest.mark.parametrize("gather_elements", [None, 7 * 8 * 16])
-def test_sparse_attention_matches_masked_dense(monkeypatch, gather_elements):
+def test_sparse_attention_matches_masked_dense(monkeypatch, gather_elements, dense_form):
+    """Both of the reference's formulations (gathered slots, dense scores with the selection as a
+    mask), whole and chunked over queries, against a dense attention masked to the selection."""
+    monkeypatch.setattr(dsa_mod, "_dense_is_cheaper", lambda *a: dense_form)
     if gather_elements is not None:
         monkeypatch.setattr(dsa_mod, "_GATHER_ELEMENTS", gather_elements)
     gen = torch.Generator().manual_seed(4)
@@ -162,6 +166,49 @@ def test_sparse_attention_matches_masked_dense(monkeypatch, gather_elements):
     expected_grads = torch.autograd.grad(expected.sin().sum(), (q, kv))
     for got, want in zip(grads, expected_grads):
         assert _rel(got, want) < 1e-12
+
+
+def _slotwise_attention(q, kv, indices, scale):
+    """Query by query and head by head over the listed slots (a key listed twice counts twice)."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            slots = [int(j) for j in indices[b, t] if j >= 0]
+            if not slots:
+                continue
+            keys = kv[b, slots]  # [n, Dl]
+            for h in range(q.shape[2]):
+                scores = keys @ q[b, t, h] * scale
+                out[b, t, h] = scores.softmax(0) @ keys
+                lse[b, t, h] = scores.logsumexp(0)
+    return out, lse
+
+
+@pytest.mark.parametrize("dense_form", [False, True])
+def test_sparse_attention_duplicate_slots_and_lse(monkeypatch, dense_form):
+    """Duplicate and empty slots, and the log-sum-exp, alike in both formulations."""
+    monkeypatch.setattr(dsa_mod, "_dense_is_cheaper", lambda *a: dense_form)
+    monkeypatch.setattr(dsa_mod, "_GATHER_ELEMENTS", 5 * 6 * 8)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 9, 2, 8, generator=gen, dtype=torch.float64)
+    kv = torch.randn(2, 9, 8, generator=gen, dtype=torch.float64)
+    indices = torch.randint(-1, 9, (2, 9, 6), generator=gen, dtype=torch.int32)
+    indices[0, 3] = torch.tensor([2, 2, 2, -1, 5, 5], dtype=torch.int32)
+    indices[1, 4] = -1
+    out, lse = sparse_attention_reference(q, kv, indices, scale=0.4, return_lse=True)
+    want_out, want_lse = _slotwise_attention(q, kv, indices, 0.4)
+    assert _rel(out, want_out) < 1e-12
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    assert (lse[finite] - want_lse[finite]).abs().max() < 1e-12
+    assert out[1, 4].abs().max() == 0
+
+
+def test_sparse_attention_picks_the_dense_form_only_for_wide_selections():
+    q, kv = torch.zeros(1, 8, 4, 64), torch.zeros(1, 2048, 64)
+    assert dsa_mod._dense_is_cheaper(q, kv, torch.zeros(1, 8, 2051, dtype=torch.int32))
+    assert not dsa_mod._dense_is_cheaper(q, kv, torch.zeros(1, 8, 131, dtype=torch.int32))
 
 
 def test_sparse_attention_row_without_keys_is_zero():
