@@ -52,6 +52,10 @@ def parser(description: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None,
                    help="start the arm from this model (a finetune run = its latest checkpoint, or a model directory) instead of "
                    "the preset's seeded initialisation")
+    p.add_argument("--init-overrides", default=None, metavar="JSON",
+                   help="with --init-from: start from its weights in a model whose config is changed by these overrides "
+                   "(get_preset's form), e.g. '{\"dsa\": {\"indexer\": {\"topk\": 32}}}' to run a model trained with a dense "
+                   "selection sparse; saved once as WORK/init-retargeted, the arms' common start and baseline")
     short = p.add_argument_group("short stage", "a first stage of each arm on short windows (recorded as arm 'ARM-short', with the "
                                  "arm's --indexer-loss-coeff; its warm-up steps belong to the long stage): there the sparse layers' "
                                  "selection covers much of each window, so attention can learn to find a copy's first occurrence "
@@ -168,6 +172,31 @@ def initial_model(args, out: Path, log: Log) -> Path:
         shown = f"{args.preset} {json.dumps(overrides)}" if overrides else args.preset
         log(f"initial model {shown}: {n:,} parameters -> {init}")
     return init
+
+
+def retargeted_model(source: Path, overrides: dict, work: Path, log: Log) -> Path:
+    """`source`'s weights in a model with its config changed by `overrides`, saved once (the
+    record beside it says from what; a different request for the same WORK is refused)."""
+    from genolong.model import from_pretrained
+    from genolong.model.presets import apply_overrides
+
+    target = work / "init-retargeted"
+    request = {"source": str(source.resolve()), "overrides": overrides}
+    record = target / "retarget.json"
+    if record.exists():
+        done = json.loads(record.read_text())
+        if done != request:
+            raise GenolongError(f"{target} was made from {done}, not {request}; remove it or use another --work")
+        return target
+    model = from_pretrained(source, dtype=torch.float32)
+    changed = GenoLongForCausalLM(apply_overrides(model.config, overrides))
+    changed.load_state_dict(model.state_dict())  # the overrides may change what runs, never the weights' shapes
+    tmp = work / "init-retargeted.tmp"
+    save_pretrained(changed, tmp)
+    (tmp / "retarget.json").write_text(json.dumps(request) + "\n")
+    tmp.rename(target)
+    log(f"initial model: {source} with {json.dumps(overrides)} -> {target}")
+    return target
 
 
 def short_stage_args(args) -> argparse.Namespace:
@@ -360,6 +389,10 @@ def main(args) -> int:
             return 0
         # The arms' common start (the seeded initial model, or --init-from's) is the baseline they are scored against.
         baseline = model_dir(Path(args.init_from)) if args.init_from else init
+        if args.init_overrides:
+            if not args.init_from:
+                raise GenolongError("--init-overrides changes the config of --init-from's model; without it use --preset-overrides")
+            baseline = retargeted_model(baseline, json.loads(args.init_overrides), work, log)
         if args.eval_only:
             evaluate_arms(args, out, data, baseline, log)
             return 0

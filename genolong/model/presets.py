@@ -113,8 +113,16 @@ def get_preset(name: str, **overrides) -> ModelConfig:
         raise GenolongError(f"unknown model preset {name!r}; use one of {', '.join(PRESETS)}")
     num_layers = overrides.pop("num_layers", None)
     config = PRESETS[name]() if num_layers is None else PRESETS[name](num_layers=num_layers)
+    return apply_overrides(config, overrides)
+
+
+def apply_overrides(config: ModelConfig, overrides: dict) -> ModelConfig:
+    """`config` with `overrides` (as get_preset takes them, `num_layers` aside) applied, validated:
+    e.g. a trained model's config with a different indexer top-k (its weights still fit)."""
     changes = {}
     for key, value in overrides.items():
+        if key == "num_layers":
+            raise GenolongError("num_layers cannot be overridden on an existing config (it re-derives the layer schedules)")
         if key in _COMPONENTS and isinstance(value, dict):
             changes[key] = _replace_nested(getattr(config, key), value, key)
         elif key in {f.name for f in dataclasses.fields(ModelConfig)}:

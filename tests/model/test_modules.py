@@ -443,3 +443,27 @@ def test_validate_names_the_field_and_the_fix():
         get_preset("glm-6")
     with pytest.raises(GenolongError, match=r"unknown field kda\.heads"):
         get_preset("tiny", kda={"heads": 3})
+
+
+def test_apply_overrides_changes_an_existing_config_and_keeps_the_weights_loadable():
+    """A model trained with one indexer top-k runs with another: the config changes, the weights fit."""
+    from genolong.model.presets import apply_overrides
+
+    config = get_preset("tiny", dsa={"indexer": {"topk": 128}})
+    sparse = apply_overrides(config, {"dsa": {"indexer": {"topk": 32}}})
+    assert (config.dsa.indexer.topk, sparse.dsa.indexer.topk) == (128, 32)
+    assert sparse.dsa.num_heads == config.dsa.num_heads and sparse.hidden == config.hidden
+    torch.manual_seed(0)
+    trained = GenoLongForCausalLM(config)
+    moved = GenoLongForCausalLM(sparse)
+    moved.load_state_dict(trained.state_dict())
+    ids = torch.randint(0, 8, (1, 256))
+    with torch.no_grad():
+        assert torch.equal(trained(ids[:, :100]).logits[:, :32], moved(ids[:, :100]).logits[:, :32])  # both dense there
+        assert not torch.allclose(trained(ids).logits[:, -1], moved(ids).logits[:, -1])  # 36 of 256 keys vs 132
+    with pytest.raises(GenolongError, match=r"set topk to 28"):
+        apply_overrides(config, {"dsa": {"indexer": {"topk": 30}}})
+    with pytest.raises(GenolongError, match="num_layers"):
+        apply_overrides(config, {"num_layers": 2})
+    with pytest.raises(GenolongError, match="unknown model config field"):
+        apply_overrides(config, {"width": 3})
