@@ -31,6 +31,8 @@ from genolong.model import kept_selection, sparse_replay  # noqa: F401
 
 # Upper bound on gathered-latent elements per query chunk in the reference.
 _GATHER_ELEMENTS = 1 << 24
+# The dense form's score chunk on the CPU (4 MiB of fp32): larger ones cost memory passes and faults.
+_CPU_DENSE_ELEMENTS = 1 << 20
 
 
 def sparse_attention_reference(
@@ -86,12 +88,15 @@ def _gathered_attention(q, kv, indices, *, scale: float, return_lse: bool):
 
 def _masked_dense_attention(q, kv, indices, *, scale: float, return_lse: bool):
     """The same sum over all S keys, each key's score shifted by log(times it is selected): 0 for
-    once, -inf for never, log 2 for a duplicate slot; chunked over queries like the gather."""
+    once, a huge negative for never, log 2 for a duplicate slot; chunked over queries (on the CPU
+    in cache-sized chunks). A query with no selected key gets zeros and lse -inf, as in the gather."""
     batch, seq, heads, latent = q.shape
     keys = kv.shape[1]
-    step = max(1, _GATHER_ELEMENTS // max(1, batch * heads * keys))
+    limit = _GATHER_ELEMENTS if q.device.type != "cpu" else _CPU_DENSE_ELEMENTS
+    step = max(1, limit // max(1, batch * heads * keys))
     kv_t = kv.transpose(-1, -2)  # [B, Dl, S]
     wide = torch.promote_types(q.dtype, torch.float32)
+    never = torch.finfo(wide).min  # finite, so that a row without keys stays finite (and is zeroed below)
     outputs, lses = [], []
     for t0 in range(0, seq, step):
         idx = indices[:, t0 : t0 + step].long()
@@ -99,13 +104,16 @@ def _masked_dense_attention(q, kv, indices, *, scale: float, return_lse: bool):
         counts = torch.zeros(batch, rows, keys + 1, dtype=wide, device=q.device)
         # Unused slots (-1) are counted in an extra column that is dropped.
         counts.scatter_add_(2, torch.where(idx >= 0, idx, keys), torch.ones_like(idx, dtype=wide))
-        shift = counts[..., :keys].log().unsqueeze(2)  # [B, t, 1, S]
+        counts = counts[..., :keys]
+        shift = torch.where(counts > 0, counts.log(), never).unsqueeze(2)  # [B, t, 1, S]
+        has_key = (counts > 0).any(-1)  # [B, t]
         scores = torch.matmul(q[:, t0 : t0 + step].flatten(1, 2), kv_t).view(batch, rows, heads, keys)
-        scores = scores.to(wide) * scale + shift
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
-        outputs.append(torch.matmul(probs.flatten(1, 2), kv).view(batch, rows, heads, latent))
+        scores = torch.add(shift, scores.to(wide), alpha=scale)  # one pass: scale and mask
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs.flatten(1, 2), kv).view(batch, rows, heads, latent)
+        outputs.append(out * has_key[:, :, None, None].to(out.dtype))
         if return_lse:
-            lses.append(torch.logsumexp(scores.detach(), dim=-1))
+            lses.append(torch.logsumexp(scores.detach(), dim=-1).masked_fill(~has_key[..., None], float("-inf")))
     out = torch.cat(outputs, dim=1)
     return (out, torch.cat(lses, dim=1)) if return_lse else out
 
