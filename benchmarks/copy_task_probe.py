@@ -66,6 +66,25 @@ def copy_batch(batch: int, length: int, max_gap: int):
     return ids, first, copy
 
 
+def hold_dsa_post(lm) -> None:
+    """Every DSA layer's mHC post = 2 * sigmoid(post logits * scale[1] + base[n:2n]) held at exactly 1:
+    its rows of `fn`, its `base` entries and scale[1] zeroed / set, their gradients masked to zero (the
+    probe's AdamW has no weight decay, so they never move)."""
+    for i, kind in enumerate(lm.config.layer_types):
+        if kind != "dsa":
+            continue
+        hc = lm.model.layers[i].attn_hc
+        n = hc.n
+        with torch.no_grad():
+            hc.fn[n : 2 * n].zero_()
+            hc.base[n : 2 * n].zero_()
+        rows = torch.zeros_like(hc.base, dtype=torch.bool)
+        rows[n : 2 * n] = True
+        hc.fn.register_hook(lambda g, rows=rows: g.masked_fill(rows[:, None], 0.0))
+        hc.base.register_hook(lambda g, rows=rows: g.masked_fill(rows, 0.0))
+        # scale[1] multiplies the (now zero) post logits only: its gradient is zero already.
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("transformer", "tiny", "preset"), default="transformer")
@@ -92,6 +111,10 @@ def main() -> None:
                    help="tiny / preset, after training (--steps 0: only this): the copy loss of 64 sequences at each of these "
                    "--max-gap values (comma-separated), with a selection that holds every key (does the copying transfer to "
                    "longer windows?)")
+    p.add_argument("--hold-dsa-post", action="store_true",
+                   help="tiny / preset: set every DSA layer's mHC post weights to exactly 1 (its output added to every "
+                   "stream) and keep them there (their gradients zeroed): in the copy probes of 2026-12-02 those gates "
+                   "closed (2 * sigmoid -> 0) early in training, switching the sparse attention off for good")
     p.add_argument("--save", default=None, help="tiny / preset: save the model here (transformers format) at every print")
     p.add_argument("--every", type=int, default=20, help="print every this many steps")
     p.add_argument("--out", default=None, help="write the curve (step, first-half bits, copy bits, seconds) as JSON here")
@@ -110,6 +133,8 @@ def main() -> None:
             from genolong.model import from_pretrained
 
             lm.load_state_dict(from_pretrained(args.init_from, dtype=torch.float32).state_dict())
+        if args.hold_dsa_post:
+            hold_dsa_post(lm)
         lm = lm.to(dev)
 
         def model(ids):

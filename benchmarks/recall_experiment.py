@@ -384,7 +384,8 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         data = prepare_data(args, work, log)
-        init = initial_model(args, work, log)
+        # (with --init-from the arms start from that model: no seeded one is built)
+        init = initial_model(args, work, log) if not args.init_from else None
         if args.prepare_only:
             return 0
         # The arms' common start (the seeded initial model, or --init-from's) is the baseline they are scored against.
