@@ -15,8 +15,11 @@
 #   frozen       + 300 steps of LM training with the indexer frozen
 #   trained      warmup + the same 300 LM steps with the indexer's sparse KL loss
 # and the stage-A model itself (dense selection) as the upper bound. eval-recall scores them on
-# held-out phage lambda, one copy per window at d = 64 and at d = 79 (two copies of 64 would fill
-# over half of a 144-token window), 64 windows each.
+# held-out phage lambda, one copy of 32 bases per window at d = 64 and at d = 79 (eval-recall
+# refuses sources and copies filling over half a window: one copy of 64 needs 256 tokens), scored
+# after its first 8 bases, 64 windows each. Then the diagnosis of 2026-12-02: which mixers copy
+# (copy_mechanism_probe.py) and whether the DSA layer's output still reaches the logits
+# (mhc_gate_probe.py).
 set -euo pipefail
 WORK=${1:?usage: recall_cpu_indexer.sh WORK OUT}
 OUT=${2:?usage: recall_cpu_indexer.sh WORK OUT}
@@ -53,7 +56,9 @@ B="$WORK/B"
 
 for d in 64 79; do
   "$GENOLONG" eval-recall --data "$B/data" --baseline "$B/init-retargeted" --checkpoint "$B/warmup" --checkpoint "$B/frozen" \
-    --checkpoint "$WORK/B-trained/trained" --checkpoint "$WORK/A" --seq 144 --len 64 --skip 16 --distances "$d" \
+    --checkpoint "$WORK/B-trained/trained" --checkpoint "$WORK/A" --seq 144 --len 32 --skip 8 --distances "$d" \
     --windows 64 --bootstrap 1000 --no-progress --out "$OUT/eval-d$d" --overwrite
 done
-echo "done: $OUT/eval-d64/summary.txt, $OUT/eval-d79/summary.txt"
+(cd benchmarks && "$PY" copy_mechanism_probe.py --model "$WORK/A" --gaps 16,64,128,384 --batches 4 --out "$OUT/copy_mechanism.json")
+"$PY" benchmarks/mhc_gate_probe.py --data "$B/data" --seq 512 --windows 2 "$WORK/A" --out "$OUT/mhc_gates.json"
+echo "done: $OUT/eval-d64/summary.txt, $OUT/eval-d79/summary.txt, $OUT/copy_mechanism.json, $OUT/mhc_gates.json"
