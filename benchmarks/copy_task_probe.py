@@ -50,7 +50,7 @@ class DenseReference(nn.Module):
         return self.head(self.blocks(x, mask=mask, is_causal=True))
 
 
-def copy_batch(batch: int, length: int, max_gap: int):
+def copy_batch(batch: int, length: int, max_gap: int, layout: dict | None = None):
     """Rows of [random prefix][L-mer][random gap][the L-mer again], 2L + G bases each, the gap
     U[0, G] and the prefix G - gap; with the masks (over the 2L + G - 1 next-base targets) of the
     first L-mer's predictable targets and of the copy's targets."""
@@ -63,7 +63,41 @@ def copy_batch(batch: int, length: int, max_gap: int):
     target = torch.arange(1, 2 * length + max_gap)  # the base each target position predicts
     first = (target > start[:, None]) & (target < (start + length)[:, None])
     copy = (target >= copy_start[:, None]) & (target < (copy_start + length)[:, None])
+    if layout is not None:  # where the L-mer and its copy start, per row (for --oracle-selection)
+        layout.update(start=start, copy_start=copy_start, length=length)
     return ids, first, copy
+
+
+def oracle_topk(layout: dict):
+    """A "dsa_indexer_topk" stand-in that always selects, for a query inside the copy, the pool holding
+    the key it needs (the first occurrence of the base it predicts), and random other pools to fill
+    the selection: a DSA layer learning to copy then searches a handful of keys, not the window."""
+
+    def select(index_q, pool_keys, head_weights, *, kpool, topk_pools, always_select_tail, softmax_scale, query_offset=0):
+        batch, seq = index_q.shape[:2]
+        t = torch.arange(seq)[None, :].expand(batch, seq) + query_offset
+        visible = (t + 1) // kpool  # complete pools at or before each query
+        start, copy_start = layout["start"][:, None], layout["copy_start"][:, None]
+        inside = (t >= copy_start - 1) & (t < copy_start + layout["length"] - 1)
+        needed = (t - (copy_start - start) + 1).clamp(min=0) // kpool
+        pools = torch.floor(torch.rand(batch, seq, topk_pools) * visible[..., None].clamp(min=1)).long()
+        pools[..., 0] = torch.where(inside, needed, pools[..., 0])
+        tokens = pools.unsqueeze(-1) * kpool + torch.arange(kpool)
+        keep = pools < visible[..., None]
+        # a pool drawn twice is listed once
+        same = (pools.unsqueeze(-1) == pools.unsqueeze(-2)).triu(1).any(-2)
+        keep &= ~same
+        tokens = torch.where(keep.unsqueeze(-1), tokens, -1).flatten(-2)
+        width = topk_pools * kpool + (kpool - 1 if always_select_tail else 0)
+        out = torch.full((batch, seq, width), -1, dtype=torch.int32)
+        out[..., : topk_pools * kpool] = tokens.int()
+        if always_select_tail and kpool > 1:
+            n_tail = (t + 1) % kpool
+            tail = (t + 1 - n_tail)[..., None] + torch.arange(kpool - 1)
+            out[..., topk_pools * kpool :] = torch.where(torch.arange(kpool - 1) < n_tail[..., None], tail, -1).int()
+        return out
+
+    return select
 
 
 def hold_dsa_post(lm) -> None:
@@ -115,6 +149,9 @@ def main() -> None:
                    help="tiny / preset: set every DSA layer's mHC post weights to exactly 1 (its output added to every "
                    "stream) and keep them there (their gradients zeroed): in the copy probes of 2026-12-02 those gates "
                    "closed (2 * sigmoid -> 0) early in training, switching the sparse attention off for good")
+    p.add_argument("--oracle-selection", action="store_true",
+                   help="tiny / preset: replace the indexer's top-k by one that always holds the pool a copy query needs "
+                   "(plus random pools); give the model a sparse top-k in --overrides")
     p.add_argument("--save", default=None, help="tiny / preset: save the model here (transformers format) at every print")
     p.add_argument("--every", type=int, default=20, help="print every this many steps")
     p.add_argument("--out", default=None, help="write the curve (step, first-half bits, copy bits, seconds) as JSON here")
@@ -144,9 +181,14 @@ def main() -> None:
         model = lm
     opt = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     L, G, t0, curve = args.length, args.max_gap, time.time(), []
+    layout: dict = {}
+    if args.oracle_selection:
+        from genolong.model import ops
+
+        ops.register("dsa_indexer_topk", ops.REFERENCE, oracle_topk(layout))
     positions = torch.arange(2 * L + G - 1)
     for step in range(args.steps):
-        ids, first_mask, copy_mask = copy_batch(args.batch, L, G)
+        ids, first_mask, copy_mask = copy_batch(args.batch, L, G, layout)
         ids = ids.to(dev)
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(args.batch, -1)

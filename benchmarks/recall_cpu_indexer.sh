@@ -59,6 +59,6 @@ for d in 64 79; do
     --checkpoint "$WORK/B-trained/trained" --checkpoint "$WORK/A" --seq 144 --len 32 --skip 8 --distances "$d" \
     --windows 64 --bootstrap 1000 --no-progress --out "$OUT/eval-d$d" --overwrite
 done
-(cd benchmarks && "$PY" copy_mechanism_probe.py --model "$WORK/A" --gaps 16,64,128,384 --batches 4 --out "$OUT/copy_mechanism.json")
+"$PY" benchmarks/copy_mechanism_probe.py --model "$WORK/A" --gaps 16,64,128,384 --batches 4 --out "$OUT/copy_mechanism.json"
 "$PY" benchmarks/mhc_gate_probe.py --data "$B/data" --seq 512 --windows 2 "$WORK/A" --out "$OUT/mhc_gates.json"
 echo "done: $OUT/eval-d64/summary.txt, $OUT/eval-d79/summary.txt, $OUT/copy_mechanism.json, $OUT/mhc_gates.json"
