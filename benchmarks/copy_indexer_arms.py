@@ -115,6 +115,9 @@ def train_indexer(lm, args, steps: int, phase: str, log) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
+    p.add_argument("--topk", type=int, default=None,
+                   help="the arms' indexer top-k (default: the model's own); the oracle row holds the needed pool plus "
+                   "random ones up to the same size")
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--max-gap", type=int, default=192)
     p.add_argument("--gaps", default="0,64,128,192")
@@ -135,6 +138,10 @@ def main() -> None:
         print(f"[{time.time() - t0:6.0f} s] {msg}", flush=True)
 
     lm = from_pretrained(args.model, dtype=torch.float32)
+    if args.topk is not None:  # the same weights with another selection size
+        sized = GenoLongForCausalLM(apply_overrides(lm.config, {"dsa": {"indexer": {"topk": args.topk}}}))
+        sized.load_state_dict(lm.state_dict())
+        lm = sized
     hold_dsa_post(lm)  # as in its training (a no-op for a model trained with the post held at 1)
     if not indexer_layers(lm):
         raise SystemExit(f"{args.model} has no DSA layer with an indexer")
