@@ -40,7 +40,7 @@ def fixed_gap_batch(batch: int, length: int, max_gap: int, gap: int, layout: dic
 
 
 def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
-    """Copy bits after the copy's first 8 bases and the needed key's hit rate, `args.eval_batches` x 8 rows."""
+    """Copy bits after the copy's first 8 bases and the needed key's hit rate, `args.eval_batches` x `args.eval_rows` rows."""
     seen = {}
 
     def watching(*a, **kw):  # the frozen / trained indexer, its selection recorded
@@ -54,6 +54,7 @@ def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
         n = 2 * args.length + args.max_gap
         model = GenoLongForCausalLM(apply_overrides(lm.config, {"dsa": {"indexer": {"topk": 4 * ((n + 3) // 4)}}}))
         model.load_state_dict(lm.state_dict())
+        model.to(args.device)
         model.eval()
     else:
         ops.register("dsa_indexer_topk", ops.REFERENCE, impl)
@@ -61,18 +62,19 @@ def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
     torch.manual_seed(1000 + gap)
     bits, count, hits, queries = 0.0, 0, 0, 0
     try:
+        rows = args.eval_rows
         for _ in range(args.eval_batches):
-            ids = fixed_gap_batch(8, args.length, args.max_gap, gap, layout)
+            ids = fixed_gap_batch(rows, args.length, args.max_gap, gap, layout).to(args.device)
             with torch.no_grad():
                 logits = model(ids[:, :-1]).logits
-            loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(8, -1)
-            t = torch.arange(ids.shape[1] - 1)
-            copy_start = layout["copy_start"][:, None]
+            loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(rows, -1)
+            t = torch.arange(ids.shape[1] - 1, device=ids.device)
+            copy_start = layout["copy_start"][:, None].to(ids.device)
             late = (t >= copy_start - 1 + 8) & (t < copy_start - 1 + args.length)
             bits += float(loss[late].sum()) / math.log(2)
             count += int(late.sum())
             if selection == "indexer":
-                needed = t[None, :] - (copy_start - layout["start"][:, None]) + 1  # the source base each query predicts
+                needed = t[None, :] - (copy_start - layout["start"][:, None].to(ids.device)) + 1  # the source base each query predicts
                 held = (seen["idx"] == needed.unsqueeze(-1)).any(-1)
                 hits += int(held[late].sum())
                 queries += int(late.sum())
@@ -93,9 +95,10 @@ def train_indexer(lm, args, steps: int, phase: str, log) -> list[dict]:
     # loss's backward) and its gradients are dropped every step.
     params = [p for name, p in lm.named_parameters() if ".self_attn.indexer." in name]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    curve, layout = [], {}
+    curve, layout, t0 = [], {}, time.time()
     for step in range(steps):
         ids, _first, copy_mask = copy_batch(args.batch, args.length, args.max_gap, layout)
+        ids, copy_mask = ids.to(args.device), copy_mask.to(args.device)
         training.begin_step(step)
         training.micro_batch(1.0)
         with training.forward_context():
@@ -106,9 +109,14 @@ def train_indexer(lm, args, steps: int, phase: str, log) -> list[dict]:
         opt.step()
         lm.zero_grad(set_to_none=True)
         metrics = training.end_step()
-        if step % args.every == 0 or step == steps - 1:
+        out_of_time = args.phase_budget_s is not None and time.time() - t0 > args.phase_budget_s
+        if step % args.every == 0 or step == steps - 1 or out_of_time:
             curve.append({"step": step, "indexer_loss": metrics.get("indexer_loss"), "indexer_recall": metrics.get("indexer_recall")})
             log(f"{phase} step {step}: KL {metrics.get('indexer_loss')}, selection's share of dense attention {metrics.get('indexer_recall')}")
+        if out_of_time and step < steps - 1:
+            log(f"{phase}: stopped for time after {step + 1} of {steps} steps")
+            curve.append({"stopped_for_time_after_steps": step + 1})
+            break
     return curve
 
 
@@ -126,6 +134,10 @@ def main() -> None:
     p.add_argument("--sparse-steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-rows", type=int, default=8, help="rows per evaluation batch (fewer for long windows)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--phase-budget-s", type=float, default=None,
+                   help="end each training phase (warm-up, sparse) after this many seconds; the curve records where")
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -142,6 +154,7 @@ def main() -> None:
         sized = GenoLongForCausalLM(apply_overrides(lm.config, {"dsa": {"indexer": {"topk": args.topk}}}))
         sized.load_state_dict(lm.state_dict())
         lm = sized
+    lm.to(args.device)
     hold_dsa_post(lm)  # as in its training (a no-op for a model trained with the post held at 1)
     if not indexer_layers(lm):
         raise SystemExit(f"{args.model} has no DSA layer with an indexer")

@@ -75,26 +75,28 @@ def oracle_topk(layout: dict):
 
     def select(index_q, pool_keys, head_weights, *, kpool, topk_pools, always_select_tail, softmax_scale, query_offset=0):
         batch, seq = index_q.shape[:2]
-        t = torch.arange(seq)[None, :].expand(batch, seq) + query_offset
+        dev = index_q.device  # the layout is made on the CPU; the selection lives with the queries
+        t = torch.arange(seq, device=dev)[None, :].expand(batch, seq) + query_offset
         visible = (t + 1) // kpool  # complete pools at or before each query
-        start, copy_start = layout["start"][:, None], layout["copy_start"][:, None]
+        start, copy_start = layout["start"][:, None].to(dev), layout["copy_start"][:, None].to(dev)
         inside = (t >= copy_start - 1) & (t < copy_start + layout["length"] - 1)
         needed = (t - (copy_start - start) + 1).clamp(min=0) // kpool
-        pools = torch.floor(torch.rand(batch, seq, topk_pools) * visible[..., None].clamp(min=1)).long()
+        pools = torch.floor(torch.rand(batch, seq, topk_pools, device=dev) * visible[..., None].clamp(min=1)).long()
         pools[..., 0] = torch.where(inside, needed, pools[..., 0])
-        tokens = pools.unsqueeze(-1) * kpool + torch.arange(kpool)
+        tokens = pools.unsqueeze(-1) * kpool + torch.arange(kpool, device=dev)
         keep = pools < visible[..., None]
         # a pool drawn twice is listed once
         same = (pools.unsqueeze(-1) == pools.unsqueeze(-2)).triu(1).any(-2)
         keep &= ~same
         tokens = torch.where(keep.unsqueeze(-1), tokens, -1).flatten(-2)
         width = topk_pools * kpool + (kpool - 1 if always_select_tail else 0)
-        out = torch.full((batch, seq, width), -1, dtype=torch.int32)
+        out = torch.full((batch, seq, width), -1, dtype=torch.int32, device=dev)
         out[..., : topk_pools * kpool] = tokens.int()
         if always_select_tail and kpool > 1:
             n_tail = (t + 1) % kpool
-            tail = (t + 1 - n_tail)[..., None] + torch.arange(kpool - 1)
-            out[..., topk_pools * kpool :] = torch.where(torch.arange(kpool - 1) < n_tail[..., None], tail, -1).int()
+            lanes = torch.arange(kpool - 1, device=dev)
+            tail = (t + 1 - n_tail)[..., None] + lanes
+            out[..., topk_pools * kpool :] = torch.where(lanes < n_tail[..., None], tail, -1).int()
         return out
 
     return select
@@ -114,8 +116,8 @@ def hold_dsa_post(lm) -> None:
             hc.base[n : 2 * n].zero_()
         rows = torch.zeros_like(hc.base, dtype=torch.bool)
         rows[n : 2 * n] = True
-        hc.fn.register_hook(lambda g, rows=rows: g.masked_fill(rows[:, None], 0.0))
-        hc.base.register_hook(lambda g, rows=rows: g.masked_fill(rows, 0.0))
+        hc.fn.register_hook(lambda g, rows=rows: g.masked_fill(rows.to(g.device)[:, None], 0.0))
+        hc.base.register_hook(lambda g, rows=rows: g.masked_fill(rows.to(g.device), 0.0))
         # scale[1] multiplies the (now zero) post logits only: its gradient is zero already.
 
 
@@ -154,6 +156,9 @@ def main() -> None:
                    "(plus random pools); give the model a sparse top-k in --overrides")
     p.add_argument("--save", default=None, help="tiny / preset: save the model here (transformers format) at every print")
     p.add_argument("--every", type=int, default=20, help="print every this many steps")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop after this many seconds of training (the model saved and the curve written at the step "
+                   "where it stopped; the JSON records steps_done and stopped_for_time)")
     p.add_argument("--out", default=None, help="write the curve (step, first-half bits, copy bits, seconds) as JSON here")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -186,17 +191,20 @@ def main() -> None:
         from genolong.model import ops
 
         ops.register("dsa_indexer_topk", ops.REFERENCE, oracle_topk(layout))
-    positions = torch.arange(2 * L + G - 1)
+    positions = torch.arange(2 * L + G - 1, device=dev)
+    stopped_for_time, steps_done = False, 0
     for step in range(args.steps):
         ids, first_mask, copy_mask = copy_batch(args.batch, L, G, layout)
-        ids = ids.to(dev)
+        ids, first_mask, copy_mask = ids.to(dev), first_mask.to(dev), copy_mask.to(dev)
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(args.batch, -1)
         opt.zero_grad()
         (loss[copy_mask].mean() if args.loss_on == "copy" else loss.mean()).backward()
         torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
         opt.step()
-        if step % args.every == 0 or step == args.steps - 1:
+        steps_done = step + 1
+        stopped_for_time = args.budget_s is not None and time.time() - t0 > args.budget_s and step < args.steps - 1
+        if step % args.every == 0 or step == args.steps - 1 or stopped_for_time:
             first = loss[first_mask].mean().item() / math.log(2)
             # after the first 8 bases of the copy (its start cannot be predicted)
             late = copy_mask & (positions >= copy_mask.float().argmax(1, keepdim=True) + 8)
@@ -208,11 +216,17 @@ def main() -> None:
 
                 save_pretrained(lm, args.save)
             if args.out:
-                Path(args.out).write_text(json.dumps({"args": vars(args), "curve": curve}) + "\n")
+                record = {"args": vars(args), "curve": curve, "steps_done": steps_done, "stopped_for_time": stopped_for_time}
+                Path(args.out).write_text(json.dumps(record) + "\n")
+        if stopped_for_time:
+            print(f"stopped for time after {steps_done} steps", flush=True)
+            break
     if args.eval_gaps and args.model in ("tiny", "preset"):
         transfer = evaluate_gaps(lm, args, overrides, [int(g) for g in args.eval_gaps.split(",")], dev)
         if args.out:
-            Path(args.out).write_text(json.dumps({"args": vars(args), "curve": curve, "transfer": transfer}) + "\n")
+            record = {"args": vars(args), "curve": curve, "steps_done": steps_done, "stopped_for_time": stopped_for_time,
+                      "transfer": transfer}
+            Path(args.out).write_text(json.dumps(record) + "\n")
 
 
 def evaluate_gaps(lm, args, overrides: dict, gaps: list[int], dev) -> list[dict]:
@@ -229,14 +243,15 @@ def evaluate_gaps(lm, args, overrides: dict, gaps: list[int], dev) -> list[dict]
         dense.load_state_dict(lm.state_dict())
         dense.eval()
         total, count = 0.0, 0
-        positions = torch.arange(n - 1)
+        positions = torch.arange(n - 1, device=dev)
         for _ in range(8):
             ids, _first, copy = copy_batch(8, args.length, gap)
+            ids, copy = ids.to(dev), copy.to(dev)
             with torch.no_grad():
-                logits = dense(ids[:, :-1].to(dev)).logits
-            loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].to(dev).reshape(-1), reduction="none").view(8, -1)
+                logits = dense(ids[:, :-1]).logits
+            loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(8, -1)
             late = copy & (positions >= copy.float().argmax(1, keepdim=True) + 8)
-            total += float(loss[late.to(dev)].sum()) / math.log(2)
+            total += float(loss[late].sum()) / math.log(2)
             count += int(late.sum())
         rows.append({"max_gap": gap, "tokens": n, "copy_bits": round(total / count, 4)})
         print(f"copy at max gap {gap} ({n} tokens, dense selection): {total / count:.3f} bits", flush=True)

@@ -55,6 +55,10 @@ for stage in "$@"; do
       \$R --eval-only" ;;
     # How many steps each model needs before it copies: several probes at once on the one GPU (benchmarks/device/copyprobe.sh).
     copyprobe) cmd="bash benchmarks/device/copyprobe.sh $OUT/copyprobe $(( limit - 10 ))" ;;
+    # Stage A of the indexer experiment: copy curricula side by side, then indexer-only arms (benchmarks/device/copychain.sh).
+    copychain) cmd="bash benchmarks/device/copychain.sh $OUT $(( limit - 45 ))" ;;
+    # The indexer arms from copychain's copier: longer training at 1,088, the 64k arms, the copier at 4k (copylong.sh).
+    copylong) cmd="bash benchmarks/device/copylong.sh $OUT $(( limit - 40 )) ${COPY_MODEL:-.stageA/C1088}" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)

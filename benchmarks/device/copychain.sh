@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Stage A of the indexer experiment on the GPU (docs/recall.md, "GPU copy curriculum"): several
+# curricula side by side on one GPU (each process is small and launch-bound), each a chain of
+# benchmarks/copy_task_probe.py phases with a time budget, then benchmarks/copy_indexer_arms.py on
+# its final model (indexer-only arms: frozen, dense warm-up, + sparse KL).
+#   bash benchmarks/device/copychain.sh OUTDIR SECONDS
+# Each chain (chainA-chainD) is a folder of OUTDIR (call.sh returns each as one archive, < 16 MiB): OUTDIR/CHAIN/PHASE.json (curve) and OUTDIR/CHAIN/PHASE/ (the model), logs
+# OUTDIR/CHAIN/*.log. The phase budgets are fractions of SECONDS, so a shorter call shortens all.
+# The model: the wide tiny of the CPU attempts (hidden 128, 4 DSA heads, latent 64), its DSA mHC
+# post held at 1 (--hold-dsa-post), loss on the copy only, copies 64 bases long.
+set -u
+out=$1; total=$2
+dev=${COPYCHAIN_DEVICE:-cuda}
+# the arms' training (a quick logic check on the CPU sets a few steps here)
+ARMS=${COPYCHAIN_ARMS:---warmup-steps 200 --sparse-steps 100}
+mkdir -p "$out"
+WIDE='"hidden": 128, "dsa": {"num_heads": 4, "kv_lora_rank": 64'
+share() { python3 -c "print(max(10, int($total * $1)))"; }
+
+phase() {  # chain, phase name, previous phase ('' = from scratch), budget share, then copy_task_probe arguments
+  local chain=$1 name=$2 prev=$3 frac=$4; shift 4
+  local init=(); [ -n "$prev" ] && init=(--init-from "$out/$chain/$prev")
+  python3 benchmarks/copy_task_probe.py --model tiny --device "$dev" --hold-dsa-post --loss-on copy --every 50 \
+    --steps 1000000 --budget-s "$(share "$frac")" "${init[@]}" --save "$out/$chain/$name" --out "$out/$chain/$name.json" "$@" \
+    > "$out/$chain/$name.log" 2>&1
+}
+
+arms() {  # chain, phase, top-k, max gap, gaps, then copy_indexer_arms arguments
+  local chain=$1 name=$2 topk=$3 gap=$4 gaps=$5; shift 5
+  python3 benchmarks/copy_indexer_arms.py --device "$dev" --model "$out/$chain/$name" --topk "$topk" --max-gap "$gap" \
+    --gaps "$gaps" --out "$out/$chain/arms-$name-k$topk.json" "$@" > "$out/$chain/arms-$name-k$topk.log" 2>&1
+}
+
+# oracle (top-k 8: the needed pool + 1 random) -> oracle 128 keys -> every key (320 tokens) -> every key (1,088
+# tokens), then the arms at 320 tokens with top-k 8 and at 1,088 with top-k 32.
+curriculum() {  # chain, batch, lr, first phase's init ('' or a phase of this chain), budget shares x4
+  local c=$1 b=$2 lr=$3 first=$4
+  mkdir -p "$out/$c"
+  phase "$c" oracle8 "$first" "$5" --overrides "{$WIDE, \"indexer\": {\"topk\": 8}}}" --oracle-selection --max-gap 192 --batch "$b" --lr "$lr" --seed 5 &&
+  phase "$c" oracle128 oracle8 "$6" --overrides "{$WIDE, \"indexer\": {\"topk\": 128}}}" --oracle-selection --max-gap 192 --batch "$b" --lr "$lr" --seed 6 &&
+  phase "$c" dense320 oracle128 "$7" --overrides "{$WIDE}}" --max-gap 192 --batch "$b" --lr "$lr" --seed 7 &&
+  phase "$c" dense1088 dense320 "$8" --overrides "{$WIDE}}" --max-gap 960 --batch "$((b / 2))" --lr "$lr" --seed 8 &&
+  arms "$c" dense320 8 192 0,64,128,192 $ARMS --batch 16 --eval-batches 4 &&
+  arms "$c" dense1088 32 960 0,192,448,960 $ARMS --batch 8 --eval-batches 4
+}
+
+# A: the CPU curriculum at 4x its batch. B: 8x the batch, a higher lr. C: a KDA copier first (short gaps, as the
+# CPU attempts' stage A), then A's curriculum. D: no oracle at all (every key from the start): the control.
+curriculum chainA 32 2e-3 '' 0.30 0.14 0.12 0.14 &
+curriculum chainB 64 3e-3 '' 0.30 0.14 0.12 0.14 &
+{ mkdir -p "$out/chainC" && phase chainC kda '' 0.15 --overrides "{$WIDE}}" --max-gap 16 --batch 32 --lr 3e-3 --seed 4 &&
+  curriculum chainC 32 2e-3 kda 0.20 0.10 0.10 0.10; } &
+{ mkdir -p "$out/chainD" && phase chainD dense320 '' 0.56 --overrides "{$WIDE}}" --max-gap 192 --batch 32 --lr 2e-3 --seed 7 &&
+  arms chainD dense320 8 192 0,64,128,192 $ARMS --batch 16 --eval-batches 4; } &
+wait
+for f in "$out"/*/*.log; do echo "$f: $(tail -n 1 "$f")"; done
