@@ -172,11 +172,13 @@ def main() -> None:
         lm.train()
 
     evaluate("frozen", ("indexer", "oracle", "dense"))
-    curves = {"warmup": train_indexer(lm, args, args.warmup_steps, "warmup", log)}
-    evaluate("warmup")
+    curves = {}
+    if args.warmup_steps:  # (0: no warm-up arm; the frozen rows are the model as given)
+        curves["warmup"] = train_indexer(lm, args, args.warmup_steps, "warmup", log)
+        evaluate("warmup")
     if args.sparse_steps:
         curves["sparse"] = train_indexer(lm, args, args.sparse_steps, "sparse", log)
-        evaluate("warmup+sparse")
+        evaluate("warmup+sparse" if args.warmup_steps else "sparse")
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "curves": curves, "wall_s": time.time() - t0}, indent=1) + "\n")
     log(f"wrote {args.out}")
 

@@ -20,6 +20,7 @@ STYLE = {  # (arm, selection) -> label, colour, marker
     ("frozen", "indexer"): ("indexer frozen", "tab:red", "o"),
     ("warmup", "indexer"): ("indexer trained: dense warm-up", "tab:orange", "s"),
     ("warmup+sparse", "indexer"): ("indexer trained: warm-up + sparse KL", "tab:green", "^"),
+    ("sparse", "indexer"): ("indexer trained: sparse KL only", "tab:purple", "v"),
     ("frozen", "oracle"): ("oracle selection (needed pool held)", "tab:blue", "x"),
     ("frozen", "dense"): ("every key selected (dense)", "tab:gray", "+"),
 }

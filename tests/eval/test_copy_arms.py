@@ -71,6 +71,14 @@ def test_probe_budget_then_arms_then_plot(tmp_path):
             assert 0.0 <= r["needed_key_selected"] <= 1.0
     assert len(result["curves"]["warmup"]) == 2 and len(result["curves"]["sparse"]) == 2
 
+    # without a warm-up: no warm-up arm, and the sparse-only arm is labelled as such
+    sparse = _run(BENCH / "copy_indexer_arms.py", "--model", tmp_path / "A", "--topk", "8", "--length", "16",
+                  "--max-gap", "32", "--gaps", "32", "--warmup-steps", "0", "--sparse-steps", "1", "--batch", "2",
+                  "--eval-batches", "1", "--eval-rows", "2", "--out", tmp_path / "sparse.json", cwd=tmp_path)
+    assert sparse.returncode == 0, sparse.stderr[-2000:]
+    only = json.loads((tmp_path / "sparse.json").read_text())
+    assert {r["arm"] for r in only["rows"]} == {"frozen", "sparse"} and set(only["curves"]) == {"sparse"}
+
     plot = _run(BENCH / "plot_copy_arms.py", tmp_path / "arms.json", "--out", tmp_path / "arms.png", cwd=tmp_path)
     assert plot.returncode == 0, plot.stderr[-2000:]
     assert (tmp_path / "arms.png").stat().st_size > 10_000
