@@ -4,7 +4,7 @@ selections as references and uniform guessing (2 bits, the loss on a random firs
 
     python benchmarks/plot_copy_arms.py arms.json [more.json ...] --out arms.png [--title TEXT]
 
-Several files (e.g. the same model at top-k 32 and 64) are drawn side by side in one figure, a row each.
+Several files (e.g. the same model at top-k 32 and 64) are drawn in one figure, a row each.
 """
 
 import argparse

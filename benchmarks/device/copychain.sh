@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage A of the indexer experiment on the GPU (docs/recall.md, "GPU copy curriculum"): several
+# Stage A of the indexer experiment on the GPU (docs/recall.md, "Stage A on the H200, the arms on the CPU and the H200"): several
 # curricula side by side on one GPU (each process is small and launch-bound), each a chain of
 # benchmarks/copy_task_probe.py phases with a time budget, then benchmarks/copy_indexer_arms.py on
 # its final model (indexer-only arms: frozen, dense warm-up, + sparse KL).

@@ -3,7 +3,7 @@
 #   long1088  the arms at 1,088 tokens (top-k 32 and 64) with 5x the indexer training of copychain's
 #   long64k   the arms at 64k tokens, top-k 2048 (3% of the keys), copies 256-49k back (the issue's H200 shape)
 #   dense4k   the copier trained on with every key at 4k windows, then scored at 64k (does the copying transfer?)
-#   bash benchmarks/device/copylong.sh OUTDIR SECONDS MODEL       # MODEL: a copychain dense1088 model
+#   bash benchmarks/device/copylong.sh OUTDIR SECONDS MODEL       # MODEL: a copychain dense1088 model (call.sh: COPY_MODEL, default the committed chain-C model)
 # COPYLONG_PARTS picks some of the three (e.g. "long64k"); COPYLONG_SHARE64 the 64k arms' share per phase.
 # Three at once share the GPU: the 64k warm-up step took ~7 s there (2026-12-02).
 set -u
