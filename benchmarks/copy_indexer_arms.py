@@ -21,16 +21,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from copy_dna import DnaRows
 from copy_task_probe import copy_batch, hold_dsa_post, oracle_topk
-from genolong.model import GenoLongForCausalLM, from_pretrained, ops
+from genolong.model import GenoLongForCausalLM, from_pretrained, ops, save_pretrained
 from genolong.model.indexer import indexer_topk_reference
 from genolong.model.presets import apply_overrides
 from genolong.train.indexer import IndexerTraining, indexer_layers
 
 
-def fixed_gap_batch(batch: int, length: int, max_gap: int, gap: int, layout: dict):
-    """copy_batch's rows with every gap = `gap` (the copy `length + gap` after its source)."""
-    ids = torch.randint(0, 4, (batch, 2 * length + max_gap))
+def fixed_gap_batch(batch: int, length: int, max_gap: int, gap: int, layout: dict, source=None):
+    """copy_batch's rows with every gap = `gap` (the copy `length + gap` after its source); `source` as copy_batch's."""
+    n = 2 * length + max_gap
+    ids = source(batch, n) if source is not None else torch.randint(0, 4, (batch, n))
     start = torch.full((batch,), max_gap - gap)
     copy_start = start + length + gap
     rows = torch.arange(batch)[:, None]
@@ -40,7 +42,9 @@ def fixed_gap_batch(batch: int, length: int, max_gap: int, gap: int, layout: dic
 
 
 def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
-    """Copy bits after the copy's first 8 bases and the needed key's hit rate, `args.eval_batches` x `args.eval_rows` rows."""
+    """Copy bits after the copy's first 8 bases, the same offsets' bits at the first occurrence, and the
+    needed key's hit rate, `args.eval_batches` x `args.eval_rows` rows (with --dna: held-out DNA, the
+    same windows for every arm and selection)."""
     seen = {}
 
     def watching(*a, **kw):  # the frozen / trained indexer, its selection recorded
@@ -60,11 +64,14 @@ def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
         ops.register("dsa_indexer_topk", ops.REFERENCE, impl)
     gen = torch.random.get_rng_state()
     torch.manual_seed(1000 + gap)
-    bits, count, hits, queries = 0.0, 0, 0, 0
+    source = None
+    if args.dna:
+        source = DnaRows(args.dna, args.dna_eval_split, seed=1000 + gap).rows
+    bits, count, hits, queries, first_bits = 0.0, 0, 0, 0, 0.0
     try:
         rows = args.eval_rows
         for _ in range(args.eval_batches):
-            ids = fixed_gap_batch(rows, args.length, args.max_gap, gap, layout).to(args.device)
+            ids = fixed_gap_batch(rows, args.length, args.max_gap, gap, layout, source).to(args.device)
             with torch.no_grad():
                 logits = model(ids[:, :-1]).logits
             loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(rows, -1)
@@ -73,6 +80,9 @@ def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
             late = (t >= copy_start - 1 + 8) & (t < copy_start - 1 + args.length)
             bits += float(loss[late].sum()) / math.log(2)
             count += int(late.sum())
+            start = layout["start"][:, None].to(ids.device)
+            first = (t >= start - 1 + 8) & (t < start - 1 + args.length)  # the same offsets of the first occurrence
+            first_bits += float(loss[first].sum()) / math.log(2)
             if selection == "indexer":
                 needed = t[None, :] - (copy_start - layout["start"][:, None].to(ids.device)) + 1  # the source base each query predicts
                 held = (seen["idx"] == needed.unsqueeze(-1)).any(-1)
@@ -81,7 +91,8 @@ def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
     finally:
         ops.register("dsa_indexer_topk", ops.REFERENCE, indexer_topk_reference)
         torch.random.set_rng_state(gen)
-    row = {"gap": gap, "distance": args.length + gap, "selection": selection, "copy_bits": round(bits / count, 4)}
+    row = {"gap": gap, "distance": args.length + gap, "selection": selection, "copy_bits": round(bits / count, 4),
+           "first_bits": round(first_bits / count, 4)}
     if queries:
         row["needed_key_selected"] = round(hits / queries, 4)
     return row
@@ -96,8 +107,9 @@ def train_indexer(lm, args, steps: int, phase: str, log) -> list[dict]:
     params = [p for name, p in lm.named_parameters() if ".self_attn.indexer." in name]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     curve, layout, t0 = [], {}, time.time()
+    source = DnaRows(args.dna, "train", seed=args.seed + (0 if phase == "warmup" else 1)).rows if args.dna else None
     for step in range(steps):
-        ids, _first, copy_mask = copy_batch(args.batch, args.length, args.max_gap, layout)
+        ids, _first, copy_mask = copy_batch(args.batch, args.length, args.max_gap, layout, source)
         ids, copy_mask = ids.to(args.device), copy_mask.to(args.device)
         training.begin_step(step)
         training.micro_batch(1.0)
@@ -140,6 +152,12 @@ def main() -> None:
                    help="end each training phase (warm-up, sparse) after this many seconds; the curve records where")
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dna", default=None, metavar="PREPARED",
+                   help="real DNA rows (copy_dna.DnaRows): the indexer trains on the train split, the arms are scored on "
+                   "--dna-eval-split")
+    p.add_argument("--dna-eval-split", default="holdout")
+    p.add_argument("--save-arms", default=None, metavar="DIR",
+                   help="save each arm's model as DIR/ARM (transformers format), e.g. for genolong eval-recall")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -163,6 +181,8 @@ def main() -> None:
     rows = []
 
     def evaluate(arm: str, selections=("indexer",)):
+        if args.save_arms:
+            save_pretrained(lm, Path(args.save_arms) / arm.replace("+", "_"))
         lm.eval()
         for gap in gaps:
             for selection in selections:

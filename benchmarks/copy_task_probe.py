@@ -50,11 +50,13 @@ class DenseReference(nn.Module):
         return self.head(self.blocks(x, mask=mask, is_causal=True))
 
 
-def copy_batch(batch: int, length: int, max_gap: int, layout: dict | None = None):
+def copy_batch(batch: int, length: int, max_gap: int, layout: dict | None = None, source=None):
     """Rows of [random prefix][L-mer][random gap][the L-mer again], 2L + G bases each, the gap
     U[0, G] and the prefix G - gap; with the masks (over the 2L + G - 1 next-base targets) of the
-    first L-mer's predictable targets and of the copy's targets."""
-    ids = torch.randint(0, 4, (batch, 2 * length + max_gap))
+    first L-mer's predictable targets and of the copy's targets. `source(batch, n)` (copy_dna.DnaRows.rows)
+    gives the rows instead of random bases: the L-mer and everything around it are then real DNA."""
+    n = 2 * length + max_gap
+    ids = source(batch, n) if source is not None else torch.randint(0, 4, (batch, n))
     gap = torch.randint(0, max_gap + 1, (batch,))
     start = max_gap - gap  # of the first L-mer
     copy_start = start + length + gap
@@ -135,8 +137,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-positions", action="store_true", help="transformer: no learned positions (NoPE)")
-    p.add_argument("--loss-on", choices=("all", "copy"), default="all",
-                   help="copy: train on the copy's targets only (the first half is random: its loss is noise)")
+    p.add_argument("--loss-on", choices=("all", "copy", "mix"), default="all",
+                   help="copy: train on the copy's targets only (the first half is random: its loss is noise); mix: the "
+                   "mean loss on the copy plus the mean loss on every other target (with --dna: DNA modelling and copying, "
+                   "neither drowned by the other)")
+    p.add_argument("--dna", default=None, metavar="PREPARED",
+                   help="rows from this `genolong prepare` output (N-free windows, both strands) instead of random bases")
+    p.add_argument("--dna-split", default="train", help="with --dna: the split the rows come from")
     p.add_argument("--max-gap", type=int, default=0,
                    help="random bases between the L-mer and its copy: U[0, G] of them (the rest before the L-mer), so the "
                    "copy's distance varies from L to L + G; 0: the copy follows at once (distance L)")
@@ -159,7 +166,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop after this many seconds of training (the model saved and the curve written at the step "
                    "where it stopped; the JSON records steps_done and stopped_for_time)")
-    p.add_argument("--out", default=None, help="write the curve (step, first-half bits, copy bits, seconds) as JSON here")
+    p.add_argument("--out", default=None,
+                   help="write the curve (step, first-half bits, copy bits, seconds, bits outside the copy) as JSON here")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -192,14 +200,25 @@ def main() -> None:
 
         ops.register("dsa_indexer_topk", ops.REFERENCE, oracle_topk(layout))
     positions = torch.arange(2 * L + G - 1, device=dev)
+    source = None
+    if args.dna:
+        from copy_dna import DnaRows
+
+        source = DnaRows(args.dna, args.dna_split, seed=args.seed).rows
     stopped_for_time, steps_done = False, 0
     for step in range(args.steps):
-        ids, first_mask, copy_mask = copy_batch(args.batch, L, G, layout)
+        ids, first_mask, copy_mask = copy_batch(args.batch, L, G, layout, source)
         ids, first_mask, copy_mask = ids.to(dev), first_mask.to(dev), copy_mask.to(dev)
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(args.batch, -1)
         opt.zero_grad()
-        (loss[copy_mask].mean() if args.loss_on == "copy" else loss.mean()).backward()
+        if args.loss_on == "copy":
+            objective = loss[copy_mask].mean()
+        elif args.loss_on == "mix":
+            objective = loss[copy_mask].mean() + loss[~copy_mask].mean()
+        else:
+            objective = loss.mean()
+        objective.backward()
         torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
         opt.step()
         steps_done = step + 1
@@ -209,8 +228,10 @@ def main() -> None:
             # after the first 8 bases of the copy (its start cannot be predicted)
             late = copy_mask & (positions >= copy_mask.float().argmax(1, keepdim=True) + 8)
             copy = loss[late].mean().item() / math.log(2)
-            curve.append((step, round(first, 4), round(copy, 4), round(time.time() - t0, 1)))
-            print(f"step {step:5d}  first half {first:.3f} bits  copy {copy:.3f} bits  {time.time() - t0:.0f} s", flush=True)
+            rest = loss[~copy_mask].mean().item() / math.log(2)  # every target outside the copy (DNA with --dna)
+            curve.append((step, round(first, 4), round(copy, 4), round(time.time() - t0, 1), round(rest, 4)))
+            print(f"step {step:5d}  first half {first:.3f} bits  copy {copy:.3f} bits  outside the copy {rest:.3f} bits  "
+                  f"{time.time() - t0:.0f} s", flush=True)
             if args.save and args.model in ("tiny", "preset"):
                 from genolong.model import save_pretrained
 
@@ -244,8 +265,13 @@ def evaluate_gaps(lm, args, overrides: dict, gaps: list[int], dev) -> list[dict]
         dense.eval()
         total, count = 0.0, 0
         positions = torch.arange(n - 1, device=dev)
+        source = None
+        if args.dna:
+            from copy_dna import DnaRows
+
+            source = DnaRows(args.dna, "holdout", seed=10_000 + gap).rows
         for _ in range(8):
-            ids, _first, copy = copy_batch(8, args.length, gap)
+            ids, _first, copy = copy_batch(8, args.length, gap, source=source)
             ids, copy = ids.to(dev), copy.to(dev)
             with torch.no_grad():
                 logits = dense(ids[:, :-1]).logits

@@ -8,11 +8,21 @@
 # OUTDIR/CHAIN/*.log. The phase budgets are fractions of SECONDS, so a shorter call shortens all.
 # The model: the wide tiny of the CPU attempts (hidden 128, 4 DSA heads, latent 64), its DSA mHC
 # post held at 1 (--hold-dsa-post), loss on the copy only, copies 64 bases long.
+# On real DNA (COPYCHAIN_DNA=PREPARED, call.sh's stage copydna): every row is a window of that genome, the loss is
+# the copy's plus the DNA's outside it (--loss-on mix), the arms train on its train split, are scored on its
+# holdout and save each arm's model (for genolong eval-recall); chains E-G instead of A-D:
+#   E  chain C's curriculum from scratch on DNA;
+#   F  COPYCHAIN_INIT (a random-bases copier, default the committed chain-C model) trained on at 1,088 with every key;
+#   G  the same copier: an oracle phase at 1,088 first (the copy anchored while the DNA loss moves the model), then F's.
 set -u
 out=$1; total=$2
 dev=${COPYCHAIN_DEVICE:-cuda}
 # the arms' training (a quick logic check on the CPU sets a few steps here)
 ARMS=${COPYCHAIN_ARMS:---warmup-steps 200 --sparse-steps 100}
+DNA=${COPYCHAIN_DNA:-}
+INIT=${COPYCHAIN_INIT:-benchmarks/recall_cpu_indexer/gpu_stageA/C1088}
+LOSS=(--loss-on copy); DATA=(); ARMDATA=()
+[ -n "$DNA" ] && { LOSS=(--loss-on mix); DATA=(--dna "$DNA"); }
 mkdir -p "$out"
 WIDE='"hidden": 128, "dsa": {"num_heads": 4, "kv_lora_rank": 64'
 share() { python3 -c "print(max(10, int($total * $1)))"; }
@@ -20,15 +30,17 @@ share() { python3 -c "print(max(10, int($total * $1)))"; }
 phase() {  # chain, phase name, previous phase ('' = from scratch), budget share, then copy_task_probe arguments
   local chain=$1 name=$2 prev=$3 frac=$4; shift 4
   local init=(); [ -n "$prev" ] && init=(--init-from "$out/$chain/$prev")
-  python3 benchmarks/copy_task_probe.py --model tiny --device "$dev" --hold-dsa-post --loss-on copy --every 50 \
+  [[ $prev == /* || $prev == benchmarks/* ]] && init=(--init-from "$prev")  # a model outside this call
+  python3 benchmarks/copy_task_probe.py --model tiny --device "$dev" --hold-dsa-post "${LOSS[@]}" "${DATA[@]}" --every 50 \
     --steps 1000000 --budget-s "$(share "$frac")" "${init[@]}" --save "$out/$chain/$name" --out "$out/$chain/$name.json" "$@" \
     > "$out/$chain/$name.log" 2>&1
 }
 
 arms() {  # chain, phase, top-k, max gap, gaps, then copy_indexer_arms arguments
   local chain=$1 name=$2 topk=$3 gap=$4 gaps=$5; shift 5
+  [ -n "$DNA" ] && ARMDATA=(--dna "$DNA" --save-arms "$out/$chain/arms-$name-k$topk")
   python3 benchmarks/copy_indexer_arms.py --device "$dev" --model "$out/$chain/$name" --topk "$topk" --max-gap "$gap" \
-    --gaps "$gaps" --out "$out/$chain/arms-$name-k$topk.json" "$@" > "$out/$chain/arms-$name-k$topk.log" 2>&1
+    --gaps "$gaps" "${ARMDATA[@]}" --out "$out/$chain/arms-$name-k$topk.json" "$@" > "$out/$chain/arms-$name-k$topk.log" 2>&1
 }
 
 # oracle (top-k 8: the needed pool + 1 random) -> oracle 128 keys -> every key (320 tokens) -> every key (1,088
@@ -46,11 +58,41 @@ curriculum() {  # chain, batch, lr, first phase's init ('' or a phase of this ch
 
 # A: the CPU curriculum at 4x its batch. B: 8x the batch, a higher lr. C: a KDA copier first (short gaps, as the
 # CPU attempts' stage A), then A's curriculum. D: no oracle at all (every key from the start): the control.
+if [ -z "$DNA" ]; then
 curriculum chainA 32 2e-3 '' 0.30 0.14 0.12 0.14 &
 curriculum chainB 64 3e-3 '' 0.30 0.14 0.12 0.14 &
 { mkdir -p "$out/chainC" && phase chainC kda '' 0.15 --overrides "{$WIDE}}" --max-gap 16 --batch 32 --lr 3e-3 --seed 4 &&
   curriculum chainC 32 2e-3 kda 0.20 0.10 0.10 0.10; } &
 { mkdir -p "$out/chainD" && phase chainD dense320 '' 0.56 --overrides "{$WIDE}}" --max-gap 192 --batch 32 --lr 2e-3 --seed 7 &&
   arms chainD dense320 8 192 0,64,128,192 $ARMS --batch 16 --eval-batches 4; } &
+else
+dna_arms() {  # chain: the 1,088-token arms at top-k 32 and 64 of its dense1088 model, each arm then scored by eval-recall
+  local k
+  for k in 32 64; do
+    arms "$1" dense1088 $k 960 0,192,448,960 $ARMS --batch 8 --eval-batches 4 || return
+    # genolong's own benchmark on the held-out genome: 1,088-token windows, four 64-base copies each, fp32, the
+    # reference ops (the arms' path); the arms' models are then dropped (the call returns 8 files of <= 16 MiB).
+    local a="$out/$1/arms-dense1088-k$k" ckpt=()
+    for arm in "$a"/*/; do ckpt+=(--checkpoint "${arm%/}"); done
+    python3 -m genolong eval-recall --data "$DNA" "${ckpt[@]}" --seq 1088 --len 64 --distances 128,256,512,960 --windows 44 \
+      --device "$dev" --dtype float32 --kernels reference --no-progress --out "$out/$1/recall-k$k" > "$out/$1/recall-k$k.log" 2>&1
+    rm -rf "$a"
+  done
+  local phase
+  for phase in "$out/$1"/*/; do  # keep the final model and the evaluations, not the curriculum's intermediate models
+    case $(basename "$phase") in dense1088|recall-*) ;; *) rm -rf "$phase" ;; esac
+  done
+}
+{ mkdir -p "$out/chainE" && phase chainE kda '' 0.13 --overrides "{$WIDE}}" --max-gap 16 --batch 32 --lr 3e-3 --seed 4 &&
+  phase chainE oracle8 kda 0.17 --overrides "{$WIDE, \"indexer\": {\"topk\": 8}}}" --oracle-selection --max-gap 192 --batch 32 --lr 2e-3 --seed 5 &&
+  phase chainE oracle128 oracle8 0.09 --overrides "{$WIDE, \"indexer\": {\"topk\": 128}}}" --oracle-selection --max-gap 192 --batch 32 --lr 2e-3 --seed 6 &&
+  phase chainE dense320 oracle128 0.09 --overrides "{$WIDE}}" --max-gap 192 --batch 32 --lr 2e-3 --seed 7 &&
+  phase chainE dense1088 dense320 0.14 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 2e-3 --seed 8 && dna_arms chainE; } &
+{ mkdir -p "$out/chainF" && phase chainF dense1088 "$INIT" 0.55 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 1e-3 --seed 8 &&
+  dna_arms chainF; } &
+{ mkdir -p "$out/chainG" &&
+  phase chainG oracle1088 "$INIT" 0.25 --overrides "{$WIDE, \"indexer\": {\"topk\": 128}}}" --oracle-selection --max-gap 960 --batch 16 --lr 1e-3 --seed 6 &&
+  phase chainG dense1088 oracle1088 0.30 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 1e-3 --seed 8 && dna_arms chainG; } &
+fi
 wait
 for f in "$out"/*/*.log; do echo "$f: $(tail -n 1 "$f")"; done
