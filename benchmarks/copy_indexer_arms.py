@@ -29,11 +29,15 @@ from genolong.model.presets import apply_overrides
 from genolong.train.indexer import IndexerTraining, indexer_layers
 
 
-def fixed_gap_batch(batch: int, length: int, max_gap: int, gap: int, layout: dict, source=None):
-    """copy_batch's rows with every gap = `gap` (the copy `length + gap` after its source); `source` as copy_batch's."""
-    n = 2 * length + max_gap
+def fixed_gap_batch(batch: int, length: int, max_gap: int, gap: int, layout: dict, source=None, window: int = 0):
+    """copy_batch's rows with every gap = `gap` (the copy `length + gap` after its source); `source` and
+    `window` as copy_batch's (with a window, the block at a random offset of each row)."""
+    n = max(2 * length + max_gap, window)
     ids = source(batch, n) if source is not None else torch.randint(0, 4, (batch, n))
-    start = torch.full((batch,), max_gap - gap)
+    if window:
+        start = torch.randint(0, n - 2 * length - gap + 1, (batch,))
+    else:
+        start = torch.full((batch,), max_gap - gap)
     copy_start = start + length + gap
     rows = torch.arange(batch)[:, None]
     ids[rows, copy_start[:, None] + torch.arange(length)] = ids[rows, start[:, None] + torch.arange(length)]
@@ -55,7 +59,7 @@ def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
     impl = {"indexer": watching, "oracle": oracle_topk(layout), "dense": None}[selection]
     model = lm
     if selection == "dense":
-        n = 2 * args.length + args.max_gap
+        n = max(2 * args.length + args.max_gap, args.window)
         model = GenoLongForCausalLM(apply_overrides(lm.config, {"dsa": {"indexer": {"topk": 4 * ((n + 3) // 4)}}}))
         model.load_state_dict(lm.state_dict())
         model.to(args.device)
@@ -71,7 +75,7 @@ def score(lm, args, gap: int, selection: str, layout: dict) -> dict:
     try:
         rows = args.eval_rows
         for _ in range(args.eval_batches):
-            ids = fixed_gap_batch(rows, args.length, args.max_gap, gap, layout, source).to(args.device)
+            ids = fixed_gap_batch(rows, args.length, args.max_gap, gap, layout, source, args.window).to(args.device)
             with torch.no_grad():
                 logits = model(ids[:, :-1]).logits
             loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(rows, -1)
@@ -109,7 +113,7 @@ def train_indexer(lm, args, steps: int, phase: str, log) -> list[dict]:
     curve, layout, t0 = [], {}, time.time()
     source = DnaRows(args.dna, "train", seed=args.seed + (0 if phase == "warmup" else 1)).rows if args.dna else None
     for step in range(steps):
-        ids, _first, copy_mask = copy_batch(args.batch, args.length, args.max_gap, layout, source)
+        ids, _first, copy_mask = copy_batch(args.batch, args.length, args.max_gap, layout, source, args.window)
         ids, copy_mask = ids.to(args.device), copy_mask.to(args.device)
         training.begin_step(step)
         training.micro_batch(1.0)
@@ -141,6 +145,8 @@ def main() -> None:
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--max-gap", type=int, default=192)
     p.add_argument("--gaps", default="0,64,128,192")
+    p.add_argument("--window", type=int, default=0,
+                   help="rows of this many bases with the copy block at a random offset (copy_task_probe's --window)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--warmup-steps", type=int, default=300)
     p.add_argument("--sparse-steps", type=int, default=300)

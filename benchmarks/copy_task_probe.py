@@ -50,19 +50,24 @@ class DenseReference(nn.Module):
         return self.head(self.blocks(x, mask=mask, is_causal=True))
 
 
-def copy_batch(batch: int, length: int, max_gap: int, layout: dict | None = None, source=None):
+def copy_batch(batch: int, length: int, max_gap: int, layout: dict | None = None, source=None, window: int = 0):
     """Rows of [random prefix][L-mer][random gap][the L-mer again], 2L + G bases each, the gap
-    U[0, G] and the prefix G - gap; with the masks (over the 2L + G - 1 next-base targets) of the
+    U[0, G] and the prefix G - gap; with the masks (over the n - 1 next-base targets) of the
     first L-mer's predictable targets and of the copy's targets. `source(batch, n)` (copy_dna.DnaRows.rows)
-    gives the rows instead of random bases: the L-mer and everything around it are then real DNA."""
-    n = 2 * length + max_gap
+    gives the rows instead of random bases: the L-mer and everything around it are then real DNA.
+    `window` >= 2L + G: rows of `window` bases, each row's [L-mer][gap][copy] at a uniform offset, so the
+    copy ends anywhere in the row, not always at its end (as in eval-recall's planted windows)."""
+    n = max(2 * length + max_gap, window)
     ids = source(batch, n) if source is not None else torch.randint(0, 4, (batch, n))
     gap = torch.randint(0, max_gap + 1, (batch,))
-    start = max_gap - gap  # of the first L-mer
+    if window:
+        start = (torch.rand(batch) * (n - 2 * length - gap + 1)).floor().long()  # of the first L-mer
+    else:
+        start = max_gap - gap  # the copy ends the row
     copy_start = start + length + gap
     rows = torch.arange(batch)[:, None]
     ids[rows, copy_start[:, None] + torch.arange(length)] = ids[rows, start[:, None] + torch.arange(length)]
-    target = torch.arange(1, 2 * length + max_gap)  # the base each target position predicts
+    target = torch.arange(1, n)  # the base each target position predicts
     first = (target > start[:, None]) & (target < (start + length)[:, None])
     copy = (target >= copy_start[:, None]) & (target < (copy_start + length)[:, None])
     if layout is not None:  # where the L-mer and its copy start, per row (for --oracle-selection)
@@ -144,6 +149,9 @@ def main() -> None:
     p.add_argument("--dna", default=None, metavar="PREPARED",
                    help="rows from this `genolong prepare` output (N-free windows, both strands) instead of random bases")
     p.add_argument("--dna-split", default="train", help="with --dna: the split the rows come from")
+    p.add_argument("--window", type=int, default=0,
+                   help="rows of this many bases (>= 2L + G) with the L-mer, gap and copy at a random offset in each: the "
+                   "copy no longer always ends the row (0: rows of 2L + G bases, the copy at the end)")
     p.add_argument("--max-gap", type=int, default=0,
                    help="random bases between the L-mer and its copy: U[0, G] of them (the rest before the L-mer), so the "
                    "copy's distance varies from L to L + G; 0: the copy follows at once (distance L)")
@@ -177,7 +185,7 @@ def main() -> None:
 
         overrides = json.loads(args.overrides)
         dsa = overrides.setdefault("dsa", {})
-        dsa.setdefault("indexer", {}).setdefault("topk", 4 * ((2 * args.length + args.max_gap + 3) // 4))
+        dsa.setdefault("indexer", {}).setdefault("topk", 4 * ((max(2 * args.length + args.max_gap, args.window) + 3) // 4))
         lm = GenoLongForCausalLM(get_preset("tiny" if args.model == "tiny" else args.preset, **overrides))
         if args.init_from:
             from genolong.model import from_pretrained
@@ -190,7 +198,7 @@ def main() -> None:
         def model(ids):
             return lm(ids).logits
     else:
-        lm = DenseReference(2 * args.length + args.max_gap, positions=not args.no_positions).to(dev)
+        lm = DenseReference(max(2 * args.length + args.max_gap, args.window), positions=not args.no_positions).to(dev)
         model = lm
     opt = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     L, G, t0, curve = args.length, args.max_gap, time.time(), []
@@ -199,7 +207,7 @@ def main() -> None:
         from genolong.model import ops
 
         ops.register("dsa_indexer_topk", ops.REFERENCE, oracle_topk(layout))
-    positions = torch.arange(2 * L + G - 1, device=dev)
+    positions = torch.arange(max(2 * L + G, args.window) - 1, device=dev)
     source = None
     if args.dna:
         from copy_dna import DnaRows
@@ -207,7 +215,7 @@ def main() -> None:
         source = DnaRows(args.dna, args.dna_split, seed=args.seed).rows
     stopped_for_time, steps_done = False, 0
     for step in range(args.steps):
-        ids, first_mask, copy_mask = copy_batch(args.batch, L, G, layout, source)
+        ids, first_mask, copy_mask = copy_batch(args.batch, L, G, layout, source, args.window)
         ids, first_mask, copy_mask = ids.to(dev), first_mask.to(dev), copy_mask.to(dev)
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits[..., :4].float().reshape(-1, 4), ids[:, 1:].reshape(-1), reduction="none").view(args.batch, -1)

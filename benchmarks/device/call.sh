@@ -58,7 +58,7 @@ for stage in "$@"; do
     # Stage A of the indexer experiment: copy curricula side by side, then indexer-only arms (benchmarks/device/copychain.sh).
     copychain) cmd="bash benchmarks/device/copychain.sh $OUT $(( limit - 45 ))" ;;
     # Stage A on real DNA (the bundled genome, loss on the copy plus the DNA around it), chains E-G, then the 1,088-token arms.
-    copydna) cmd="COPYCHAIN_DNA=/tmp/bundled COPYCHAIN_ARMS='${COPYDNA_ARMS:---warmup-steps 300 --sparse-steps 200}' bash benchmarks/device/copychain.sh $OUT $(( limit - 45 ))" ;;
+    copydna) cmd="COPYCHAIN_DNA=/tmp/bundled COPYCHAIN_CHAINS='${COPYDNA_CHAINS:-chainE chainF chainG}' COPYCHAIN_ARMS='${COPYDNA_ARMS:---warmup-steps 300 --sparse-steps 200}' bash benchmarks/device/copychain.sh $OUT $(( limit - 45 ))" ;;
     # The indexer arms from copychain's copier: longer training at 1,088, the 64k arms, the copier at 4k (copylong.sh).
     copylong) cmd="bash benchmarks/device/copylong.sh $OUT $(( limit - 40 )) ${COPY_MODEL:-benchmarks/recall_cpu_indexer/gpu_stageA/C1088}" ;;
     *) echo "unknown stage $name"; continue ;;

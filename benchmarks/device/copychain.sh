@@ -13,7 +13,9 @@
 # holdout and save each arm's model (for genolong eval-recall); chains E-G instead of A-D:
 #   E  chain C's curriculum from scratch on DNA;
 #   F  COPYCHAIN_INIT (a random-bases copier, default the committed chain-C model) trained on at 1,088 with every key;
-#   G  the same copier: an oracle phase at 1,088 first (the copy anchored while the DNA loss moves the model), then F's.
+#   G  the same copier: an oracle phase at 1,088 first (the copy anchored while the DNA loss moves the model), then F's;
+#   H  G's model (its copies always ended the row) trained on with each copy at a uniform place in the row (--window);
+#   I  the same with an oracle phase first; J  F's model as H. COPYCHAIN_CHAINS picks chains (default E F G).
 set -u
 out=$1; total=$2
 dev=${COPYCHAIN_DEVICE:-cuda}
@@ -21,6 +23,7 @@ dev=${COPYCHAIN_DEVICE:-cuda}
 ARMS=${COPYCHAIN_ARMS:---warmup-steps 200 --sparse-steps 100}
 DNA=${COPYCHAIN_DNA:-}
 INIT=${COPYCHAIN_INIT:-benchmarks/recall_cpu_indexer/gpu_stageA/C1088}
+DNA_F=benchmarks/recall_cpu_indexer/gpu_dna/F1088 DNA_G=benchmarks/recall_cpu_indexer/gpu_dna/G1088  # chains F and G's models
 LOSS=(--loss-on copy); DATA=(); ARMDATA=()
 [ -n "$DNA" ] && { LOSS=(--loss-on mix); DATA=(--dna "$DNA"); }
 mkdir -p "$out"
@@ -66,33 +69,46 @@ curriculum chainB 64 3e-3 '' 0.30 0.14 0.12 0.14 &
 { mkdir -p "$out/chainD" && phase chainD dense320 '' 0.56 --overrides "{$WIDE}}" --max-gap 192 --batch 32 --lr 2e-3 --seed 7 &&
   arms chainD dense320 8 192 0,64,128,192 $ARMS --batch 16 --eval-batches 4; } &
 else
-dna_arms() {  # chain: the 1,088-token arms at top-k 32 and 64 of its dense1088 model, each arm then scored by eval-recall
-  local k
+dna_arms() {  # chain [arms options]: the 1,088-token arms at top-k 32 and 64 of its dense1088 model, each arm then scored by eval-recall
+  local k c=$1; shift
   for k in 32 64; do
-    arms "$1" dense1088 $k 960 0,192,448,960 $ARMS --batch 8 --eval-batches 4 || return
+    arms "$c" dense1088 $k 960 0,192,448,960 $ARMS --batch 8 --eval-batches 4 "$@" || return
     # genolong's own benchmark on the held-out genome: 1,088-token windows, four 64-base copies each, fp32, the
     # reference ops (the arms' path); the arms' models are then dropped (the call returns 8 files of <= 16 MiB).
-    local a="$out/$1/arms-dense1088-k$k" ckpt=()
+    local a="$out/$c/arms-dense1088-k$k" ckpt=()
     for arm in "$a"/*/; do ckpt+=(--checkpoint "${arm%/}"); done
     python3 -m genolong eval-recall --data "$DNA" "${ckpt[@]}" --seq 1088 --len 64 --distances 128,256,512,960 --windows 44 \
-      --device "$dev" --dtype float32 --kernels reference --no-progress --out "$out/$1/recall-k$k" > "$out/$1/recall-k$k.log" 2>&1
+      --device "$dev" --dtype float32 --kernels reference --no-progress --out "$out/$c/recall-k$k" > "$out/$c/recall-k$k.log" 2>&1
     rm -rf "$a"
   done
   local phase
-  for phase in "$out/$1"/*/; do  # keep the final model and the evaluations, not the curriculum's intermediate models
+  for phase in "$out/$c"/*/; do  # keep the final model and the evaluations, not the curriculum's intermediate models
     case $(basename "$phase") in dense1088|recall-*) ;; *) rm -rf "$phase" ;; esac
   done
 }
-{ mkdir -p "$out/chainE" && phase chainE kda '' 0.13 --overrides "{$WIDE}}" --max-gap 16 --batch 32 --lr 3e-3 --seed 4 &&
+WIN=(--window 1088)  # chains H-J: each row's copy at a uniform place in the 1,088-token row, as in eval-recall
+chain_E() {
+  phase chainE kda '' 0.13 --overrides "{$WIDE}}" --max-gap 16 --batch 32 --lr 3e-3 --seed 4 &&
   phase chainE oracle8 kda 0.17 --overrides "{$WIDE, \"indexer\": {\"topk\": 8}}}" --oracle-selection --max-gap 192 --batch 32 --lr 2e-3 --seed 5 &&
   phase chainE oracle128 oracle8 0.09 --overrides "{$WIDE, \"indexer\": {\"topk\": 128}}}" --oracle-selection --max-gap 192 --batch 32 --lr 2e-3 --seed 6 &&
   phase chainE dense320 oracle128 0.09 --overrides "{$WIDE}}" --max-gap 192 --batch 32 --lr 2e-3 --seed 7 &&
-  phase chainE dense1088 dense320 0.14 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 2e-3 --seed 8 && dna_arms chainE; } &
-{ mkdir -p "$out/chainF" && phase chainF dense1088 "$INIT" 0.55 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 1e-3 --seed 8 &&
-  dna_arms chainF; } &
-{ mkdir -p "$out/chainG" &&
+  phase chainE dense1088 dense320 0.14 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 2e-3 --seed 8 && dna_arms chainE
+}
+chain_F() { phase chainF dense1088 "$INIT" 0.55 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 1e-3 --seed 8 && dna_arms chainF; }
+chain_G() {
   phase chainG oracle1088 "$INIT" 0.25 --overrides "{$WIDE, \"indexer\": {\"topk\": 128}}}" --oracle-selection --max-gap 960 --batch 16 --lr 1e-3 --seed 6 &&
-  phase chainG dense1088 oracle1088 0.30 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 1e-3 --seed 8 && dna_arms chainG; } &
+  phase chainG dense1088 oracle1088 0.30 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 1e-3 --seed 8 && dna_arms chainG
+}
+# H-J start from the DNA copiers of F and G (whose copies always ended the row) and move the copies anywhere.
+chain_H() { phase chainH dense1088 "$DNA_G" 0.55 --overrides "{$WIDE}}" --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 11 && dna_arms chainH "${WIN[@]}"; }
+chain_I() {
+  phase chainI oracle1088 "$DNA_G" 0.20 --overrides "{$WIDE, \"indexer\": {\"topk\": 128}}}" --oracle-selection --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 12 &&
+  phase chainI dense1088 oracle1088 0.35 --overrides "{$WIDE}}" --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 13 && dna_arms chainI "${WIN[@]}"
+}
+chain_J() { phase chainJ dense1088 "$DNA_F" 0.55 --overrides "{$WIDE}}" --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 14 && dna_arms chainJ "${WIN[@]}"; }
+for c in ${COPYCHAIN_CHAINS:-chainE chainF chainG}; do
+  mkdir -p "$out/$c" && "chain_${c#chain}" &
+done
 fi
 wait
 for f in "$out"/*/*.log; do echo "$f: $(tail -n 1 "$f")"; done

@@ -14,6 +14,63 @@ sys.path.insert(0, str(BENCH))
 
 from copy_task_probe import copy_batch, oracle_topk  # noqa: E402
 
+from genolong.data import prepare  # noqa: E402
+from genolong.vocab import N_ID  # noqa: E402
+
+
+def _check_rows(ids, first, copy, layout, length):
+    rows = torch.arange(ids.shape[0])[:, None]
+    offsets = torch.arange(length)
+    start, copy_start = layout["start"], layout["copy_start"]
+    assert bool((start >= 0).all()) and bool((copy_start + length <= ids.shape[1]).all())
+    assert torch.equal(ids[rows, copy_start[:, None] + offsets], ids[rows, start[:, None] + offsets])
+    # the masks mark, as next-base targets, the copy's bases and the first occurrence's predictable ones
+    target = torch.arange(1, ids.shape[1])
+    assert torch.equal(copy, (target >= copy_start[:, None]) & (target < (copy_start + length)[:, None]))
+    assert torch.equal(first, (target > start[:, None]) & (target < (start + length)[:, None]))
+
+
+def test_copies_end_the_row_by_default_and_anywhere_in_a_window():
+    torch.manual_seed(0)
+    length, gap = 8, 40
+    layout: dict = {}
+    ids, first, copy = copy_batch(64, length, gap, layout)
+    _check_rows(ids, first, copy, layout, length)
+    assert bool((layout["copy_start"] + length == ids.shape[1]).all())  # without a window the copy ends each row
+    ids, first, copy = copy_batch(64, length, gap, layout, window=300)
+    assert ids.shape == (64, 300)
+    _check_rows(ids, first, copy, layout, length)
+    ends = layout["copy_start"] + length
+    # uniform placement: copies end early and late in the row, and the distances still span [L, L + G]
+    assert int(ends.min()) < 150 and int(ends.max()) > 250
+    distance = layout["copy_start"] - layout["start"]
+    assert int(distance.min()) >= length and int(distance.max()) <= length + gap and distance.unique().numel() > 10
+
+
+def test_dna_rows_come_from_the_genome_and_hold_no_n(tmp_path):
+    from copy_dna import DnaRows
+
+    rng = torch.Generator().manual_seed(0)
+    bases = "".join("ACGT"[int(i)] for i in torch.randint(0, 4, (3000,), generator=rng))
+    chrom = bases[:1000] + "N" * 400 + bases[1400:]  # room for N-free rows only on either side of the N run
+    (tmp_path / "g.fa").write_text(f">chr1\n{chrom}\n>chr22\n{bases[:600]}\n")
+    prepare(tmp_path / "g.fa", tmp_path / "data", train="chr1", holdout="chr22", progress=False, log=lambda _: None)
+    source = DnaRows(str(tmp_path / "data"), "train", seed=3)
+    rows = source.rows(16, 200)
+    assert rows.shape == (16, 200) and rows.dtype == torch.int64
+    assert not bool((rows == N_ID).any()) and bool((rows < 4).all())
+    complement = str.maketrans("ACGT", "TGCA")
+    for row in rows:
+        text = "".join("ACGT"[int(i)] for i in row)
+        # a window of the genome, on either strand
+        assert text in chrom or text.translate(complement)[::-1] in chrom, "a row that is not a window of the genome"
+    assert not torch.equal(rows, source.rows(16, 200))  # a stream: the next rows are other windows
+    # the planted copy is real DNA too
+    layout: dict = {}
+    ids, first, copy = copy_batch(4, 16, 100, layout, source=source.rows, window=300)
+    _check_rows(ids, first, copy, layout, 16)
+    assert not bool((ids == N_ID).any())
+
 
 def test_oracle_selection_holds_the_needed_key_and_only_visible_keys():
     torch.manual_seed(0)
