@@ -23,7 +23,8 @@ dev=${COPYCHAIN_DEVICE:-cuda}
 ARMS=${COPYCHAIN_ARMS:---warmup-steps 200 --sparse-steps 100}
 DNA=${COPYCHAIN_DNA:-}
 INIT=${COPYCHAIN_INIT:-benchmarks/recall_cpu_indexer/gpu_stageA/C1088}
-DNA_F=benchmarks/recall_cpu_indexer/gpu_dna/F1088 DNA_G=benchmarks/recall_cpu_indexer/gpu_dna/G1088  # chains F and G's models
+# chains F and G's models (2026-12-02 H200 call; in git at 15b5e86 (git checkout 15b5e86 -- benchmarks/recall_cpu_indexer/gpu_dna), out of the tree since: the device call carries <= 64 MiB)
+DNA_F=${COPYCHAIN_DNA_F:-benchmarks/recall_cpu_indexer/gpu_dna/F1088} DNA_G=${COPYCHAIN_DNA_G:-benchmarks/recall_cpu_indexer/gpu_dna/G1088}
 LOSS=(--loss-on copy); DATA=(); ARMDATA=()
 [ -n "$DNA" ] && { LOSS=(--loss-on mix); DATA=(--dna "$DNA"); }
 mkdir -p "$out"
