@@ -1,6 +1,7 @@
 """Plot benchmarks/copy_indexer_arms.py results: copy loss by distance (left) and the share of copy
 queries whose selection holds the key they need (right), one line per arm, the oracle and dense
-selections as references and uniform guessing (2 bits, the loss on a random first occurrence) dashed.
+selections as references and uniform guessing (2 bits, the loss on a random first occurrence) dashed;
+on real DNA (`--dna` runs) the first occurrence's own loss, by distance, dotted.
 
     python benchmarks/plot_copy_arms.py arms.json [more.json ...] --out arms.png [--title TEXT]
 
@@ -45,7 +46,7 @@ def main() -> None:
     fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.6 * len(runs)), squeeze=False)
     for (bits_ax, held_ax), run, name in zip(axes, runs, args.results):
         a = run["args"]
-        window = 2 * a["length"] + a["max_gap"]
+        window = max(2 * a["length"] + a["max_gap"], a.get("window") or 0)
         for key, rows in lines(run["rows"]).items():
             label, colour, marker = STYLE[key]
             d = [r["distance"] for r in rows]
@@ -57,11 +58,17 @@ def main() -> None:
             ax.set_xlabel("distance back to the source (bases)")
             ax.grid(alpha=0.3)
         bits_ax.axhline(2.0, color="black", ls="--", lw=1, label="uniform (first occurrence of random DNA)")
+        first = [r for r in run["rows"] if "first_bits" in r and (r["arm"], r["selection"]) == ("frozen", "indexer")]
+        if a.get("dna") and first:  # the same bases at their first occurrence, the frozen model's loss (real DNA's cost)
+            first.sort(key=lambda r: r["distance"])
+            bits_ax.plot([r["distance"] for r in first], [r["first_bits"] for r in first], color="black", ls=":",
+                         label="first occurrence (this real DNA)")
         bits_ax.set_ylabel("copy loss (bits/base, after the first 8)")
         bits_ax.set_ylim(bottom=0)
         held_ax.set_ylabel("needed key selected (% of copy queries)")
         held_ax.set_ylim(0, 100)
-        bits_ax.set_title(f"{Path(name).stem}: {window:,}-token windows, top-k {a.get('topk')}", fontsize=10)
+        where = "real DNA, " if a.get("dna") else ""
+        bits_ax.set_title(f"{Path(name).stem}: {where}{window:,}-token windows, top-k {a.get('topk')}", fontsize=10)
         bits_ax.legend(fontsize=7)
     if args.title:
         fig.suptitle(args.title, fontsize=11)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -47,15 +48,23 @@ def test_copies_end_the_row_by_default_and_anywhere_in_a_window():
     assert int(distance.min()) >= length and int(distance.max()) <= length + gap and distance.unique().numel() > 10
 
 
-def test_dna_rows_come_from_the_genome_and_hold_no_n(tmp_path):
-    from copy_dna import DnaRows
-
+@pytest.fixture(scope="module")
+def genome(tmp_path_factory):
+    """A prepared two-record genome: chr1 (train) with a run of N in its middle, chr22 (holdout)."""
+    root = tmp_path_factory.mktemp("copydna")
     rng = torch.Generator().manual_seed(0)
     bases = "".join("ACGT"[int(i)] for i in torch.randint(0, 4, (3000,), generator=rng))
     chrom = bases[:1000] + "N" * 400 + bases[1400:]  # room for N-free rows only on either side of the N run
-    (tmp_path / "g.fa").write_text(f">chr1\n{chrom}\n>chr22\n{bases[:600]}\n")
-    prepare(tmp_path / "g.fa", tmp_path / "data", train="chr1", holdout="chr22", progress=False, log=lambda _: None)
-    source = DnaRows(str(tmp_path / "data"), "train", seed=3)
+    (root / "g.fa").write_text(f">chr1\n{chrom}\n>chr22\n{bases[:600]}\n")
+    prepare(root / "g.fa", root / "data", train="chr1", holdout="chr22", progress=False, log=lambda _: None)
+    return root / "data", chrom
+
+
+def test_dna_rows_come_from_the_genome_and_hold_no_n(genome):
+    from copy_dna import DnaRows
+
+    data, chrom = genome
+    source = DnaRows(str(data), "train", seed=3)
     rows = source.rows(16, 200)
     assert rows.shape == (16, 200) and rows.dtype == torch.int64
     assert not bool((rows == N_ID).any()) and bool((rows < 4).all())
@@ -139,3 +148,36 @@ def test_probe_budget_then_arms_then_plot(tmp_path):
     plot = _run(BENCH / "plot_copy_arms.py", tmp_path / "arms.json", "--out", tmp_path / "arms.png", cwd=tmp_path)
     assert plot.returncode == 0, plot.stderr[-2000:]
     assert (tmp_path / "arms.png").stat().st_size > 10_000
+
+
+def test_probe_and_arms_on_dna_with_copies_anywhere(tmp_path, genome):
+    data, _ = genome
+    over = '{"hidden": 32, "dsa": {"num_heads": 2, "kv_lora_rank": 16}}'
+    probe = _run(BENCH / "copy_task_probe.py", "--model", "tiny", "--overrides", over, "--hold-dsa-post", "--dna", data,
+                 "--loss-on", "mix", "--window", "120", "--steps", "2", "--every", "1", "--length", "16", "--max-gap", "40",
+                 "--batch", "2", "--save", tmp_path / "A", "--out", tmp_path / "A.json", cwd=tmp_path)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    curve = json.loads((tmp_path / "A.json").read_text())["curve"]
+    assert len(curve) == 2 and all(0 < c[4] < 8 for c in curve)  # the loss outside the copy (the DNA) is logged
+    arms = _run(BENCH / "copy_indexer_arms.py", "--model", tmp_path / "A", "--topk", "8", "--length", "16", "--max-gap", "40",
+                "--window", "120", "--gaps", "0,40", "--dna", data, "--warmup-steps", "1", "--sparse-steps", "1", "--batch", "2",
+                "--eval-batches", "1", "--eval-rows", "2", "--save-arms", tmp_path / "arms", "--out", tmp_path / "arms.json",
+                cwd=tmp_path)
+    assert arms.returncode == 0, arms.stderr[-2000:]
+    rows = json.loads((tmp_path / "arms.json").read_text())["rows"]
+    assert all(0 < r["first_bits"] < 8 and 0 < r["copy_bits"] < 8 for r in rows)
+    by = {(r["arm"], r["selection"], r["distance"]) for r in rows}
+    assert {("frozen", "oracle", 56), ("frozen", "dense", 56), ("warmup+sparse", "indexer", 56)} <= by
+    # the saved arms: the frozen one is the model as given; the trained ones differ from it in the indexer alone
+    from genolong.model import from_pretrained
+
+    given = from_pretrained(tmp_path / "A", dtype=torch.float32).state_dict()
+    for arm in ("frozen", "warmup", "warmup_sparse"):
+        saved = from_pretrained(tmp_path / "arms" / arm, dtype=torch.float32).state_dict()
+        moved = {name for name in given if not torch.equal(given[name], saved[name])}
+        if arm == "frozen":
+            assert not moved
+        else:
+            assert moved and all(".self_attn.indexer." in name for name in moved), sorted(moved)[:5]
+    plot = _run(BENCH / "plot_copy_arms.py", tmp_path / "arms.json", "--out", tmp_path / "arms.png", cwd=tmp_path)
+    assert plot.returncode == 0, plot.stderr[-2000:]
