@@ -14,7 +14,7 @@ from genolong.units import parse_length
 def eval_positional(
     data: Annotated[Path, typer.Option(help="A `genolong prepare` output directory; its holdout split is scored.")],
     checkpoint: Annotated[
-        str,
+        list[str],  # a list only to refuse a second one in one line (a plain option would silently keep the last)
         typer.Option(help="The fine-tuned model: a finetune run (RUN = its latest checkpoint, RUN@STEP), a run checkpoint or a model directory."),
     ],
     out: Annotated[Path, typer.Option(help="Output directory (positional.csv, .json, .png, summary.txt, partial.jsonl).")],
@@ -109,6 +109,12 @@ def eval_positional(
     if not data.is_dir():
         raise GenolongError(f"--data {data}: no such directory; pass the --out directory of `genolong prepare`")
 
+    if len(checkpoint) != 1:
+        raise GenolongError(
+            f"--checkpoint given {len(checkpoint)} times ({', '.join(checkpoint)}): eval-positional compares one fine-tuned "
+            "model with its --baseline; run it once per model (each into its own --out)"
+        )
+    checkpoint = checkpoint[0]
     resolved = {"checkpoint": models.resolve(checkpoint, "--checkpoint")}
     resolved["baseline"] = models.resolve(baseline, "--baseline") if baseline else models.default_baseline(checkpoint)
 

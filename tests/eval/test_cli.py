@@ -194,6 +194,16 @@ def test_bad_input_is_one_clear_line(world, monkeypatch, capsys, tmp_path, over,
     assert not (tmp_path / "e" / "positional.json").exists()
 
 
+def test_a_second_checkpoint_is_refused_not_silently_dropped(world, monkeypatch, capsys, tmp_path):
+    args = bad(world, tmp_path)
+    args[args.index("--checkpoint") + 1 : args.index("--checkpoint") + 1] = [str(world["run"]), "--checkpoint"]
+    code, _, err = genolong(monkeypatch, capsys, *args)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "--checkpoint given 2 times" in lines[0], err
+    assert "run it once per model" in lines[0]
+    assert not (tmp_path / "e" / "positional.json").exists()
+
+
 def test_no_usable_window(world, monkeypatch, capsys, tmp_path):
     # The only 3k tile (chr22 at 0) overlaps the N run at 1500-1700; chrY is shorter than 3k.
     code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path, **{"--seq": "3k", "--max-n-fraction": "0"}))
