@@ -9,6 +9,13 @@ the same L-mer, loss on the first half vs on the copy, every 20 steps.
 
 `--loss-on copy` trains on the copy's targets only; `--max-gap G` puts U[0, G] random bases between
 the L-mer and its copy; `--eval-gaps` scores the copy in longer sequences with every key selected.
+On real DNA (docs/recall.md, "On real DNA"): `--dna PREPARED` takes the rows from a prepared genome,
+`--loss-on mix` trains on the copy and on the DNA around it, `--window W` puts the copy anywhere in a
+W-base row, e.g.
+
+    python benchmarks/copy_task_probe.py --model tiny --overrides '{"hidden": 128, "dsa": {"num_heads": 4, "kv_lora_rank": 64}}' \
+        --init-from benchmarks/recall_cpu_indexer/gpu_dna/J1088 --dna data/bundled --loss-on mix --window 1088 --max-gap 960 \
+        --hold-dsa-post --batch 16 --lr 1e-3 --steps 200 --save J2
 
 The dense reference (hidden 64, 2 heads, learned positions, causal, pre-norm) is the yardstick for
 the planted-repeat experiments' first stage (docs/recall.md): on 4 letters, copying needs a match
