@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from copy_dna import DnaRows
-from copy_task_probe import copy_batch, hold_dsa_post, oracle_topk
+from copy_task_probe import copy_batch, hold_dsa_post, oracle_topk, plant
 from genolong.model import GenoLongForCausalLM, from_pretrained, ops, save_pretrained
 from genolong.model.indexer import indexer_topk_reference
 from genolong.model.presets import apply_overrides
@@ -38,10 +38,7 @@ def fixed_gap_batch(batch: int, length: int, max_gap: int, gap: int, layout: dic
         start = torch.randint(0, n - 2 * length - gap + 1, (batch,))
     else:
         start = torch.full((batch,), max_gap - gap)
-    copy_start = start + length + gap
-    rows = torch.arange(batch)[:, None]
-    ids[rows, copy_start[:, None] + torch.arange(length)] = ids[rows, start[:, None] + torch.arange(length)]
-    layout.update(start=start, copy_start=copy_start, length=length)
+    plant(ids, start, gap, length, layout)
     return ids
 
 

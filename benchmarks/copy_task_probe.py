@@ -71,15 +71,21 @@ def copy_batch(batch: int, length: int, max_gap: int, layout: dict | None = None
         start = (torch.rand(batch) * (n - 2 * length - gap + 1)).floor().long()  # of the first L-mer
     else:
         start = max_gap - gap  # the copy ends the row
+    return (ids, *plant(ids, start, gap, length, layout))
+
+
+def plant(ids: torch.Tensor, start, gap, length: int, layout: dict | None = None):
+    """Writes each row's L-mer at `start` again `length + gap` later (in place); returns the masks, over
+    the next-base targets, of the first L-mer's predictable targets and of the copy's targets."""
     copy_start = start + length + gap
-    rows = torch.arange(batch)[:, None]
+    rows = torch.arange(ids.shape[0])[:, None]
     ids[rows, copy_start[:, None] + torch.arange(length)] = ids[rows, start[:, None] + torch.arange(length)]
-    target = torch.arange(1, n)  # the base each target position predicts
+    target = torch.arange(1, ids.shape[1])  # the base each target position predicts
     first = (target > start[:, None]) & (target < (start + length)[:, None])
     copy = (target >= copy_start[:, None]) & (target < (copy_start + length)[:, None])
     if layout is not None:  # where the L-mer and its copy start, per row (for --oracle-selection)
         layout.update(start=start, copy_start=copy_start, length=length)
-    return ids, first, copy
+    return first, copy
 
 
 def oracle_topk(layout: dict):
@@ -251,18 +257,19 @@ def main() -> None:
                 from genolong.model import save_pretrained
 
                 save_pretrained(lm, args.save)
-            if args.out:
-                record = {"args": vars(args), "curve": curve, "steps_done": steps_done, "stopped_for_time": stopped_for_time}
-                Path(args.out).write_text(json.dumps(record) + "\n")
+            write_record(args, curve, steps_done, stopped_for_time)
         if stopped_for_time:
             print(f"stopped for time after {steps_done} steps", flush=True)
             break
     if args.eval_gaps and args.model in ("tiny", "preset"):
         transfer = evaluate_gaps(lm, args, overrides, [int(g) for g in args.eval_gaps.split(",")], dev)
-        if args.out:
-            record = {"args": vars(args), "curve": curve, "steps_done": steps_done, "stopped_for_time": stopped_for_time,
-                      "transfer": transfer}
-            Path(args.out).write_text(json.dumps(record) + "\n")
+        write_record(args, curve, steps_done, stopped_for_time, transfer=transfer)
+
+
+def write_record(args, curve, steps_done: int, stopped_for_time: bool, **more) -> None:
+    if args.out:
+        record = {"args": vars(args), "curve": curve, "steps_done": steps_done, "stopped_for_time": stopped_for_time, **more}
+        Path(args.out).write_text(json.dumps(record) + "\n")
 
 
 def evaluate_gaps(lm, args, overrides: dict, gaps: list[int], dev) -> list[dict]:

@@ -101,12 +101,18 @@ chain_G() {
   phase chainG dense1088 oracle1088 0.30 --overrides "{$WIDE}}" --max-gap 960 --batch 16 --lr 1e-3 --seed 8 && dna_arms chainG
 }
 # H-J start from the DNA copiers of F and G (whose copies always ended the row) and move the copies anywhere.
-chain_H() { phase chainH dense1088 "$DNA_G" 0.55 --overrides "{$WIDE}}" --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 11 && dna_arms chainH "${WIN[@]}"; }
+need() {  # chain, model: a missing input model is one line in the chain's log, not a traceback
+  [ -f "$2/config.json" ] && return 0
+  echo "copychain: $1 needs $2 (git checkout 15b5e86 -- benchmarks/recall_cpu_indexer/gpu_dna, or COPYCHAIN_DNA_F/_G)" | tee "$out/$1/missing.log"
+  return 1
+}
+chain_H() { need chainH "$DNA_G" && phase chainH dense1088 "$DNA_G" 0.55 --overrides "{$WIDE}}" --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 11 && dna_arms chainH "${WIN[@]}"; }
 chain_I() {
+  need chainI "$DNA_G" &&
   phase chainI oracle1088 "$DNA_G" 0.20 --overrides "{$WIDE, \"indexer\": {\"topk\": 128}}}" --oracle-selection --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 12 &&
   phase chainI dense1088 oracle1088 0.35 --overrides "{$WIDE}}" --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 13 && dna_arms chainI "${WIN[@]}"
 }
-chain_J() { phase chainJ dense1088 "$DNA_F" 0.55 --overrides "{$WIDE}}" --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 14 && dna_arms chainJ "${WIN[@]}"; }
+chain_J() { need chainJ "$DNA_F" && phase chainJ dense1088 "$DNA_F" 0.55 --overrides "{$WIDE}}" --max-gap 960 "${WIN[@]}" --batch 16 --lr 1e-3 --seed 14 && dna_arms chainJ "${WIN[@]}"; }
 for c in ${COPYCHAIN_CHAINS:-chainE chainF chainG}; do
   mkdir -p "$out/$c" && "chain_${c#chain}" &
 done

@@ -25,10 +25,13 @@ def _check_rows(ids, first, copy, layout, length):
     start, copy_start = layout["start"], layout["copy_start"]
     assert bool((start >= 0).all()) and bool((copy_start + length <= ids.shape[1]).all())
     assert torch.equal(ids[rows, copy_start[:, None] + offsets], ids[rows, start[:, None] + offsets])
-    # the masks mark, as next-base targets, the copy's bases and the first occurrence's predictable ones
-    target = torch.arange(1, ids.shape[1])
-    assert torch.equal(copy, (target >= copy_start[:, None]) & (target < (copy_start + length)[:, None]))
-    assert torch.equal(first, (target > start[:, None]) & (target < (start + length)[:, None]))
+    # the masks pick, among the next-base targets ids[:, 1:], the copy's L bases and the first L-mer's
+    # last L - 1 (its first base has nothing before it to predict it from), in order
+    batch, targets = ids.shape[0], ids[:, 1:]
+    assert torch.equal(copy.sum(1), torch.full((batch,), length)) and torch.equal(first.sum(1), torch.full((batch,), length - 1))
+    source = ids[rows, start[:, None] + offsets]
+    assert torch.equal(targets[copy].view(batch, length), source)
+    assert torch.equal(targets[first].view(batch, length - 1), source[:, 1:])
 
 
 def test_copies_end_the_row_by_default_and_anywhere_in_a_window():
