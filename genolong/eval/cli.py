@@ -185,11 +185,14 @@ def eval_positional(
             note=note,
             share=share,
         )
+    writer = share.main
     if pmesh is not None:
-        import torch.distributed as dist
+        from genolong.parallel.mesh import leave_together
 
-        dist.destroy_process_group()
-    if share.main:
+        # This frame's references to the groups go first, so that leave_together frees them (see there).
+        del share, pmesh, make_scorer
+        leave_together()
+    if writer:
         typer.echo(f"wrote {out}/positional.png, positional.csv, positional.json")
 
 

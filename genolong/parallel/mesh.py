@@ -14,6 +14,7 @@ On CUDA the backend is NCCL, elsewhere gloo (the CPU tests run the same code on 
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -87,3 +88,26 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
     mesh["dp", "ep", "cp"]._flatten("loss")
     mesh["dp", "ep", "cp"]._flatten("grad")
     return ParallelMesh(layout, mesh)
+
+
+
+def leave_together() -> None:
+    """End this process's part of a run that finished without error: wait until every rank is
+    here, destroy the process groups, and free them now. The caller drops its own references to
+    the mesh and its groups first (its ParallelMesh, a RankShare's group, closures over them).
+
+    Why each step. destroy_process_group() shuts the groups down but does not free them: a
+    DeviceMesh keeps its groups in a registry, and a flattened mesh and its root point at each
+    other, so the objects live on in a reference cycle until the garbage collector runs, which may
+    be at interpreter exit; a gloo group freed there has aborted its process ("terminate called
+    without an active exception", SIGABRT), failing the whole torchrun after its outputs were
+    written (the CI failure of 2026-12-02: eval-positional dp=2). gc.collect() frees them while
+    the interpreter is whole. The barrier first: a rank done early (its last window scored while
+    rank 0 still aggregates and plots) does not tear down while rank 0 is busy. Not for a run
+    ending in an error: the other ranks may never reach the barrier."""
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()

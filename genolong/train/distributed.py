@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from genolong.errors import GenolongError
 from genolong.parallel.layout import ParallelLayout, check_layout, parse_layout
-from genolong.parallel.mesh import launched_world
+from genolong.parallel.mesh import launched_world, leave_together
 
 
 @dataclass
@@ -69,9 +69,15 @@ class Processes:
         if self.pmesh is not None:
             dist.barrier()
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
+        """Destroy the group this run created; after a run that `finished`, once every rank is done
+        (genolong.parallel.mesh.leave_together); after an error at once (the others may never come)."""
         if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            self.pmesh = None  # this object's reference to the groups, so that leave_together can free them
+            if finished:
+                leave_together()
+            else:
+                dist.destroy_process_group()
 
     def _reduce_device(self) -> str:
         return self.device if self.device.startswith("cuda") else "cpu"

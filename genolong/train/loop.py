@@ -138,10 +138,13 @@ def train(options: TrainOptions) -> list[dict]:
 def _train_locked(options: TrainOptions) -> list[dict]:
     default_cuda_allocator()
     procs = distributed.start(options, _model_config(options), resolve_device(options))
+    finished = False
     try:
-        return _train(options, procs)
+        records = _train(options, procs)
+        finished = True
+        return records
     finally:
-        procs.close()
+        procs.close(finished)
 
 
 def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
