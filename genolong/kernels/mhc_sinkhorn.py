@@ -10,7 +10,9 @@ the backward. Here each program holds BT tokens' n x n matrices in registers:
   over the same axis. The backward walks the half-steps from the last to the first and
   recomputes each one's input from the saved matrix (O(steps^2) register arithmetic, ~1,500
   half-steps of 16 numbers per token at 20 iterations: cheaper than the memory traffic and
-  the memory that saved intermediates would cost).
+  the memory that saved intermediates would cost). The O(steps) alternative
+  (GENOLONG_SINKHORN_BWD=stored, opt-in until measured on a GPU) keeps each half-step's sums
+  instead and rebuilds each input from its output (docs/kernels.md, "Fused mHC").
 
 `torch.ops.genolong.mhc_sinkhorn` wraps both kernels with autograd; torch.compile sees it as one
 opaque op. On CPU tensors the op runs the reference (the kernels run on the CPU only under
@@ -18,6 +20,8 @@ Triton's interpreter, which the tests use).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -75,6 +79,53 @@ if triton is not None:
             g = (g - tl.where(col, tl.sum(gy, axis=1)[:, None, :], tl.sum(gy, axis=2)[:, :, None])) / total
         tl.store(dx_ptr + offs, g, mask=live)
 
+    @triton.jit
+    def _sinkhorn_bwd_stored_kernel(
+        x_ptr, dy_ptr, dx_ptr, tot_ptr, n_tokens, eps, N: tl.constexpr, STEPS: tl.constexpr, BT: tl.constexpr
+    ):
+        # O(steps): one forward pass that stores each half-step's sums + eps ([tokens, STEPS, N]
+        # fp32, this program's rows only), then the half-steps from the last to the first, each
+        # step's input rebuilt from its output as y * total (the exact inverse of y = x / total up
+        # to one rounding per step) instead of recomputed from the saved matrix.
+        tok = tl.program_id(0) * BT + tl.arange(0, BT)
+        i = tl.arange(0, N)
+        offs = tok[:, None, None].to(tl.int64) * (N * N) + i[None, :, None] * N + i[None, None, :]
+        live = (tok < n_tokens)[:, None, None]
+        toffs = tok[:, None].to(tl.int64) * (STEPS * N) + i[None, :]
+        tlive = (tok < n_tokens)[:, None]
+        x = tl.load(x_ptr + offs, mask=live, other=1.0)
+        for s in range(STEPS):
+            col = s % 2 == 0
+            total = tl.where(col, tl.sum(x, axis=1), tl.sum(x, axis=2)) + eps  # [BT, N]: per column, or per row
+            tl.store(tot_ptr + toffs + s * N, total, mask=tlive)
+            x = x / tl.where(col, total[:, None, :], total[:, :, None])
+        tl.debug_barrier()  # the sums stored by this program's threads, visible to all of them
+        g = tl.load(dy_ptr + offs, mask=live, other=0.0)
+        y = x
+        for r in range(STEPS):
+            s = STEPS - 1 - r
+            col = s % 2 == 0
+            total = tl.load(tot_ptr + toffs + s * N, mask=tlive, other=1.0)
+            total = tl.where(col, total[:, None, :], total[:, :, None])
+            gy = g * y
+            g = (g - tl.where(col, tl.sum(gy, axis=1)[:, None, :], tl.sum(gy, axis=2)[:, :, None])) / total
+            y = y * total
+        tl.store(dx_ptr + offs, g, mask=live)
+
+
+# Which backward kernel runs: "recompute" (each half-step's input recomputed from the saved matrix,
+# O(steps^2), the measured default) or "stored" (O(steps), its sums kept in a transient buffer
+# of STEPS x n fp32 per token: 624 B at n = 4 and 20 iterations, 80 MiB at 128k tokens). "stored"
+# stays opt-in until it is measured on the GPU (benchmarks/bench_mhc.py --sinkhorn).
+BACKWARDS = ("recompute", "stored")
+
+
+def backward_mode() -> str:
+    mode = os.environ.get("GENOLONG_SINKHORN_BWD", "recompute")
+    if mode not in BACKWARDS:
+        raise ValueError(f"GENOLONG_SINKHORN_BWD={mode!r}: use one of {', '.join(BACKWARDS)}")
+    return mode
+
 
 def steps(iters: int) -> int:
     """Half-steps of the reference: one column pass, then iters - 1 row + column passes."""
@@ -95,11 +146,18 @@ def sinkhorn_forward(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor
     return y
 
 
-def sinkhorn_backward(comb: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The Triton backward: the gradient with respect to the forward's input, from that input alone."""
+def sinkhorn_backward(comb: torch.Tensor, grad: torch.Tensor, iters: int, eps: float, mode: str | None = None) -> torch.Tensor:
+    """The Triton backward: the gradient with respect to the forward's input, from that input alone.
+    mode: "recompute" or "stored" (see BACKWARDS); None: GENOLONG_SINKHORN_BWD, default recompute."""
+    mode = mode or backward_mode()
     x, dy = comb.contiguous(), grad.contiguous().to(comb.dtype)
     dx = torch.empty_like(x)
-    _launch(_sinkhorn_bwd_kernel, x, dy, dx, n=x.shape[-1], iters=iters, eps=eps)
+    n = x.shape[-1]
+    if mode == "stored":
+        sums = torch.empty(x.numel() // (n * n), steps(iters), n, dtype=x.dtype, device=x.device)
+        _launch(_sinkhorn_bwd_stored_kernel, x, dy, dx, sums, n=n, iters=iters, eps=eps)
+    else:
+        _launch(_sinkhorn_bwd_kernel, x, dy, dx, n=n, iters=iters, eps=eps)
     return dx
 
 
@@ -175,7 +233,8 @@ def aot_compile(n: int = 4, iters: int = 20, arch: int = 90) -> dict:
     const = dict(N=n, STEPS=steps(iters), BT=BT)
     built = {}
     for name, kernel, ptrs in (("forward", _sinkhorn_fwd_kernel, ("x_ptr", "y_ptr")),
-                               ("backward", _sinkhorn_bwd_kernel, ("x_ptr", "dy_ptr", "dx_ptr"))):
+                               ("backward", _sinkhorn_bwd_kernel, ("x_ptr", "dy_ptr", "dx_ptr")),
+                               ("backward stored", _sinkhorn_bwd_stored_kernel, ("x_ptr", "dy_ptr", "dx_ptr", "tot_ptr"))):
         args = {**dict.fromkeys(ptrs, "*fp32"), "n_tokens": "i32", "eps": "fp32"}
         built[name] = aot.build(kernel, args, const, num_warps=4, arch=arch)
     return built
