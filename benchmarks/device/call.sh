@@ -35,6 +35,8 @@ for stage in "$@"; do
     mhc) cmd="python3 benchmarks/bench_mhc.py --out $OUT/mhc --budget-s $(( limit - 40 )) ${MHC_ARGS:-}" ;;
     # mHC's Sinkhorn backward, the O(steps^2) recompute kernel vs the O(steps) stored-sums one (opt-in until measured).
     sinkhorn) cmd="python3 benchmarks/bench_sinkhorn.py --out $OUT/sinkhorn ${SINKHORN_ARGS:-}" ;;
+    # The MoE combine, bf16 index_add vs the atomics-free Triton combine (opt-in until measured).
+    moecombine) cmd="python3 benchmarks/bench_moe_combine.py --out $OUT/moe_combine ${MOECOMBINE_ARGS:-}" ;;
     idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;
     # glm53-mini from scratch at 32k, lr 1e-3, warmup 2 (issue 10's spiking setting): losses, grad norms, expert loads.
     scratch) cmd="python3 benchmarks/check_from_scratch.py --data /tmp/bundled --steps 8 --budget-s $(( limit - 20 )) ${SCRATCH_ARGS:-} --out $OUT/scratch" ;;

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from genolong.kernels import _common
+from genolong.kernels import _common, moe_combine_triton
+from genolong.kernels.moe_combine_triton import combine_index_add
 from genolong.model.ops import KernelUnsupported
 
 CHUNK_BUDGET_BYTES = 1 << 30
@@ -38,7 +39,9 @@ def chunk_tokens_for(k: int, hidden: int, inter: int, itemsize: int, budget_byte
     return max(1, budget_bytes // per_token)
 
 
-def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limit, chunk_tokens=None, mm=grouped_mm):
+def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limit, chunk_tokens=None, mm=grouped_mm,
+                    combine=combine_index_add):
+    """combine(out, order, weight, k): the weighted sum back to the tokens (moe_combine_triton.py)."""
     n_tokens, k = topk_idx.shape
     n_experts, two_inter, hidden = gate_up_proj.shape
     inter = two_inter // 2
@@ -57,10 +60,7 @@ def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limi
         gate, up = mm(rows, w_gate_up, offs).chunk(2, dim=-1)
         h = F.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)
         out = mm(h, w_down, offs)
-        weight = topk_w[n0 : n0 + chunk_tokens].reshape(-1)[order]
-        y = torch.zeros(idx.shape[0], hidden, dtype=x.dtype, device=x.device)
-        y = y.index_add(0, token, (out * weight[:, None]).to(x.dtype))
-        outputs.append(y)
+        outputs.append(combine(out, order, topk_w[n0 : n0 + chunk_tokens].reshape(-1), k))
     return torch.cat(outputs, 0) if len(outputs) != 1 else outputs[0]
 
 
@@ -77,4 +77,5 @@ def moe_experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_
     _, two_inter, hidden = gate_up_proj.shape
     if hidden % 8 or two_inter % 16:
         raise KernelUnsupported(f"grouped GEMM needs 16-byte aligned rows: hidden {hidden}, 2*inter {two_inter}")
-    return experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, swiglu_limit=swiglu_limit)
+    combine = moe_combine_triton.combine if moe_combine_triton.combine_mode() == "triton" else combine_index_add
+    return experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, swiglu_limit=swiglu_limit, combine=combine)

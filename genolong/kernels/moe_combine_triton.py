@@ -1,0 +1,141 @@
+"""The MoE combine without atomics: each token's k expert outputs, weighted by the router, summed.
+
+The grouped path (moe_grouped.py) computes the experts' outputs in expert order and adds them back
+to their tokens with a bf16 `index_add` — atomic adds to random rows (the 128k glm53-mini step
+on the H200 spent 285 ms in 504 bf16 index_add kernels, benchmarks/h200-2026-12-02-s6/
+call1-profile128k-kernels.txt; how much of it is the combine's was not separated), plus the fp32
+product with the weights and its cast before it. Here the sum is read-side:
+
+- forward: one program per (block of tokens, block of columns) reads, for each of the token's k
+  slots, the row that slot's expert produced (through the inverse of the sort) and accumulates
+  weight x row in fp32; one write per token, in the output's dtype. No atomics, no fp32 copy of
+  the rows, the same result up to the order of k fp32 adds (the index_add sums the k bf16-rounded
+  products in bf16, in expert order).
+- backward: one program per block of rows (expert order) gathers the gradient of its slot's
+  token: d row = weight x d y (each row written once: the sort is a permutation), and
+  d weight = <d y, row> over the columns (one value per slot, written once).
+
+Opt-in until measured on a GPU (GENOLONG_MOE_COMBINE=triton; default index_add). The CPU tests
+run it under Triton's interpreter against the index_add path (tests/kernels/test_moe_combine.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+COMBINES = ("index_add", "triton")
+BT, BD, BR = 16, 128, 32
+
+
+def combine_mode() -> str:
+    mode = os.environ.get("GENOLONG_MOE_COMBINE", "index_add")
+    if mode not in COMBINES:
+        raise ValueError(f"GENOLONG_MOE_COMBINE={mode!r}: use one of {', '.join(COMBINES)}")
+    return mode
+
+
+if triton is not None:
+
+    # D (the hidden size) is a compile-time constant: one build per model width, and the backward's
+    # loop over column blocks has a fixed trip count (a runtime bound does not run in the interpreter).
+    @triton.jit
+    def _combine_fwd_kernel(out_ptr, inverse_ptr, w_ptr, y_ptr, n_tokens, D: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        tok = tl.program_id(0) * BT + tl.arange(0, BT)
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        live = tok < n_tokens
+        mask = live[:, None] & (cols < D)[None, :]
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for j in range(K):
+            slot = tok.to(tl.int64) * K + j
+            row = tl.load(inverse_ptr + slot, mask=live, other=0)
+            w = tl.load(w_ptr + slot, mask=live, other=0.0).to(tl.float32)
+            v = tl.load(out_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += w[:, None] * v
+        tl.store(y_ptr + tok[:, None].to(tl.int64) * D + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _combine_bwd_kernel(out_ptr, order_ptr, w_ptr, dy_ptr, dout_ptr, dw_ptr, n_rows, D: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        live = r < n_rows
+        slot = tl.load(order_ptr + r, mask=live, other=0)
+        tok = slot // K
+        w = tl.load(w_ptr + slot, mask=live, other=0.0).to(tl.float32)
+        dot = tl.zeros([BR], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            mask = live[:, None] & (cols < D)[None, :]
+            g = tl.load(dy_ptr + tok[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            o = tl.load(out_ptr + r[:, None].to(tl.int64) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(dout_ptr + r[:, None].to(tl.int64) * D + cols[None, :], (w[:, None] * g).to(dout_ptr.dtype.element_ty), mask=mask)
+            dot += tl.sum(g * o, axis=1)
+        tl.store(dw_ptr + slot, dot, mask=live)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, order, weight, k):
+        rows, hidden = out.shape
+        n_tokens = rows // k
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(rows, device=order.device, dtype=order.dtype)
+        out = out.contiguous()
+        y = torch.empty(n_tokens, hidden, dtype=out.dtype, device=out.device)
+        if n_tokens:
+            grid = (triton.cdiv(n_tokens, BT), triton.cdiv(hidden, BD))
+            _combine_fwd_kernel[grid](out, inverse, weight.contiguous(), y, n_tokens, D=hidden, K=k, BT=BT, BD=BD, num_warps=4)
+        ctx.save_for_backward(out, order, weight)
+        ctx.k = k
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        out, order, weight = ctx.saved_tensors
+        rows, hidden = out.shape
+        dout = torch.empty_like(out)
+        dw = torch.empty(rows, dtype=torch.float32, device=out.device)
+        if rows:
+            _combine_bwd_kernel[(triton.cdiv(rows, BR),)](
+                out, order, weight.contiguous(), dy.contiguous(), dout, dw, rows, D=hidden, K=ctx.k, BR=BR, BD=BD, num_warps=4
+            )
+        return dout, None, dw.to(weight.dtype), None
+
+
+def combine(out: torch.Tensor, order: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """y [n, D]: y[t] = sum_j weight[t * k + j] * out[row of slot t * k + j].
+
+    out [n * k, D]: the experts' outputs in expert order, row i from slot order[i] (= token * k + j,
+    the stable argsort of the flattened top-k indices); weight [n * k]: the router's weights in slot
+    order. Gradients flow to out and weight."""
+    if triton is None:
+        raise RuntimeError("the Triton MoE combine needs triton (the gpu extra)")
+    return _Combine.apply(out, order, weight, k)
+
+
+def combine_index_add(out: torch.Tensor, order: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """The same sum as the grouped path has always computed it (and as the model's reference does):
+    bf16-rounded products added to their tokens with index_add."""
+    token = order // k
+    y = torch.zeros(out.shape[0] // k, out.shape[1], dtype=out.dtype, device=out.device)
+    return y.index_add(0, token, (out * weight[order, None]).to(out.dtype))
+
+
+def aot_compile(hidden: int = 512, k: int = 4, arch: int = 90) -> dict:
+    """Both kernels built for sm_`arch` without a GPU (bf16 rows, fp32 weights; glm53-mini's width
+    and top-k by default): {name: kernel}."""
+    from genolong.kernels import aot
+
+    fwd = {"out_ptr": "*bf16", "inverse_ptr": "*i64", "w_ptr": "*fp32", "y_ptr": "*bf16", "n_tokens": "i32"}
+    bwd = {"out_ptr": "*bf16", "order_ptr": "*i64", "w_ptr": "*fp32", "dy_ptr": "*bf16", "dout_ptr": "*bf16",
+           "dw_ptr": "*fp32", "n_rows": "i32"}
+    return {
+        "forward": aot.build(_combine_fwd_kernel, fwd, dict(D=hidden, K=k, BT=BT, BD=BD), num_warps=4, arch=arch),
+        "backward": aot.build(_combine_bwd_kernel, bwd, dict(D=hidden, K=k, BR=BR, BD=BD), num_warps=4, arch=arch),
+    }

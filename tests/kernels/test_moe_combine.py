@@ -1,0 +1,73 @@
+"""The atomics-free MoE combine (genolong/kernels/moe_combine_triton.py) in Triton's CPU interpreter
+against the index_add combine it may replace: the grouped MoE path's output and the gradients of
+x, both expert weights and the router weights; the sm_90 builds; the setting that picks it."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+# 37 tokens x top-3 of 8 experts (skewed: the last two get none), hidden 40: every block has a
+# masked tail (16 tokens, 128 columns, 32 rows per program); chunks of 20 tokens (two chunks).
+_INTERPRETED = r"""
+import json
+import torch
+from genolong.kernels import moe_combine_triton as mc, moe_grouped as mg
+
+g = torch.Generator().manual_seed(0)
+n, experts, k, hidden, inter = 37, 8, 3, 40, 24
+x = torch.randn(n, hidden, generator=g)
+probs = torch.tensor([8.0] + [1.0] * (experts - 3) + [0.0, 0.0])
+idx = torch.stack([torch.multinomial(probs, k, generator=g) for _ in range(n)])
+w = torch.rand(n, k, generator=g)
+gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+down = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
+dy = torch.randn(n, hidden, generator=g)
+
+def run(combine):
+    leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
+    y = mg.experts_grouped(leaves[0], idx, leaves[1], leaves[2], leaves[3], swiglu_limit=1.5, chunk_tokens=20,
+                           mm=mg.grouped_mm_loop, combine=combine)
+    (y * dy).sum().backward()
+    return [y] + [t.grad for t in leaves]
+
+ref, got = run(mg.combine_index_add), run(mc.combine)
+names = ["y", "d x", "d router weights", "d gate_up", "d down"]
+print(json.dumps({name: ((a - b).norm() / b.norm()).item() for name, a, b in zip(names, got, ref)}))
+"""
+
+
+@needs_triton
+def test_triton_combine_in_the_interpreter_matches_index_add_with_every_gradient():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(errors) == 5
+    for name, err in errors.items():
+        assert err < 1e-6, (name, err)  # fp32 both ways: only the order of the k adds differs
+
+
+@needs_triton
+def test_combine_kernels_compile_for_sm90_without_spills():
+    from genolong.kernels import aot, moe_combine_triton
+
+    for hidden, k in ((512, 4), (4096, 8)):  # glm53-mini, GLM-5.3-Flash
+        for name, kernel in moe_combine_triton.aot_compile(hidden, k).items():
+            registers, spills = aot.ptxas_usage(kernel)
+            assert spills == 0 and registers <= 255, (hidden, name, registers, spills)
+
+
+def test_combine_setting_names_a_wrong_value(monkeypatch):
+    from genolong.kernels.moe_combine_triton import combine_mode
+
+    monkeypatch.setenv("GENOLONG_MOE_COMBINE", "atomic")
+    with pytest.raises(ValueError, match="GENOLONG_MOE_COMBINE='atomic': use one of index_add, triton"):
+        combine_mode()
+    monkeypatch.delenv("GENOLONG_MOE_COMBINE")
+    assert combine_mode() == "index_add"
