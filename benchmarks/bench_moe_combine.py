@@ -1,5 +1,5 @@
-"""The MoE combine on one GPU: the bf16 index_add (the default) vs the atomics-free Triton combine
-(genolong/kernels/moe_combine_triton.py, GENOLONG_MOE_COMBINE=triton), forward + backward.
+"""The MoE combine on one GPU: the bf16 index_add vs the atomics-free Triton combine (the default since
+2026-12-02; genolong/kernels/moe_combine_triton.py, GENOLONG_MOE_COMBINE), forward + backward.
 
     source .device/activate.sh && python benchmarks/bench_moe_combine.py --out $OUT/moe_combine
 

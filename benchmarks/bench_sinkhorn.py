@@ -1,5 +1,5 @@
-"""mHC's Sinkhorn backward on one GPU: the O(steps^2) recompute kernel (the default) vs the O(steps)
-kernel that stores each half-step's sums (genolong/kernels/mhc_sinkhorn.py, GENOLONG_SINKHORN_BWD).
+"""mHC's Sinkhorn backward on one GPU: the O(steps^2) recompute kernel vs the O(steps) kernel that
+stores each half-step's sums (the default since 2026-12-02; genolong/kernels/mhc_sinkhorn.py, GENOLONG_SINKHORN_BWD).
 
     source .device/activate.sh && python benchmarks/bench_sinkhorn.py --out $OUT/sinkhorn
 

@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="train.json")
     p.add_argument("--ladder", default=None, help="ablation lengths (default 8k..512k); for a CPU smoke test")
     p.add_argument("--compile", action="store_true", help="apply genolong.train.compile to the model (finetune --compile)")
+    p.add_argument("--compile-no-mhc", action="store_true",
+                   help="with --compile: leave mHC to its fused kernels, compile the norms, router and dense MLP only")
     p.add_argument("--keep-sparse", default="auto",
                    help="comma list of MemoryOptions.keep_sparse values; each length runs once per value, side by side")
     p.add_argument("--indexer-loss-coeff", type=float, default=0.0, help="> 0: every step also trains the DSA indexer (its KL loss)")
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     if args.compile:
         from genolong.train.compile import apply_compile
 
-        compiled = apply_compile(bench.model)
+        compiled = apply_compile(bench.model, mhc=not args.compile_no_mhc)
     results["params"] = sum(p.numel() for p in bench.model.parameters())
     keeps = [k.strip() for k in args.keep_sparse.split(",") if k.strip()]
     full = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keeps[0])

@@ -37,6 +37,8 @@ for stage in "$@"; do
     sinkhorn) cmd="python3 benchmarks/bench_sinkhorn.py --out $OUT/sinkhorn ${SINKHORN_ARGS:-}" ;;
     # The MoE combine, bf16 index_add vs the atomics-free Triton combine (opt-in until measured).
     moecombine) cmd="python3 benchmarks/bench_moe_combine.py --out $OUT/moe_combine ${MOECOMBINE_ARGS:-}" ;;
+    # How much neighbouring queries' real selections overlap (would a union sparse-MLA backward pay off?).
+    overlap) cmd="python3 benchmarks/probe_selection_overlap.py --data /tmp/bundled --out $OUT/overlap ${OVERLAP_ARGS:-}" ;;
     idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;
     # glm53-mini from scratch at 32k, lr 1e-3, warmup 2 (issue 10's spiking setting): losses, grad norms, expert loads.
     scratch) cmd="python3 benchmarks/check_from_scratch.py --data /tmp/bundled --steps 8 --budget-s $(( limit - 20 )) ${SCRATCH_ARGS:-} --out $OUT/scratch" ;;

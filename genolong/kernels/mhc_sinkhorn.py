@@ -5,14 +5,16 @@ sublayer over [T, n, n] fp32, and autograd keeps every one of the 39 intermediat
 the backward. Here each program holds BT tokens' n x n matrices in registers:
 
 - forward: the reference's order exactly (a column pass, then iters - 1 row + column passes);
-- backward: only the input is saved. Half-step s of the forward is y = x / (sum(x) + eps) over
+- backward ("recompute"): only the input is saved. Half-step s of the forward is y = x / (sum(x) + eps) over
   rows or columns; its vector-Jacobian product is dx = (dy - sum(dy * y)) / (sum(x) + eps)
   over the same axis. The backward walks the half-steps from the last to the first and
   recomputes each one's input from the saved matrix (O(steps^2) register arithmetic, ~1,500
   half-steps of 16 numbers per token at 20 iterations: cheaper than the memory traffic and
-  the memory that saved intermediates would cost). The O(steps) alternative
-  (GENOLONG_SINKHORN_BWD=stored, opt-in until measured on a GPU) keeps each half-step's sums
-  instead and rebuilds each input from its output (docs/kernels.md, "Fused mHC").
+  the memory that saved intermediates would cost).
+- backward ("stored", the default since it was measured on the H200, 2026-12-02: 0.28 ms a call
+  at 128k tokens against 1.50 ms, 0.83 vs 5.78 ms at 512k): one forward pass keeps each
+  half-step's sums, then each input is rebuilt from its output (docs/kernels.md, "Fused mHC").
+  GENOLONG_SINKHORN_BWD=recompute selects the other.
 
 `torch.ops.genolong.mhc_sinkhorn` wraps both kernels with autograd; torch.compile sees it as one
 opaque op. On CPU tensors the op runs the reference (the kernels run on the CPU only under
@@ -114,14 +116,14 @@ if triton is not None:
 
 
 # Which backward kernel runs: "recompute" (each half-step's input recomputed from the saved matrix,
-# O(steps^2), the measured default) or "stored" (O(steps), its sums kept in a transient buffer
-# of STEPS x n fp32 per token: 624 B at n = 4 and 20 iterations, 80 MiB at 128k tokens). "stored"
-# stays opt-in until it is measured on the GPU (benchmarks/bench_mhc.py --sinkhorn).
+# O(steps^2)) or "stored" (O(steps), its sums kept in a transient buffer of STEPS x n fp32 per
+# token: 624 B at n = 4 and 20 iterations, 80 MiB at 128k tokens; 5.3x faster on the H200,
+# benchmarks/bench_sinkhorn.py, so the default).
 BACKWARDS = ("recompute", "stored")
 
 
 def backward_mode() -> str:
-    mode = os.environ.get("GENOLONG_SINKHORN_BWD", "recompute")
+    mode = os.environ.get("GENOLONG_SINKHORN_BWD", "stored")
     if mode not in BACKWARDS:
         raise ValueError(f"GENOLONG_SINKHORN_BWD={mode!r}: use one of {', '.join(BACKWARDS)}")
     return mode
@@ -148,7 +150,7 @@ def sinkhorn_forward(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor
 
 def sinkhorn_backward(comb: torch.Tensor, grad: torch.Tensor, iters: int, eps: float, mode: str | None = None) -> torch.Tensor:
     """The Triton backward: the gradient with respect to the forward's input, from that input alone.
-    mode: "recompute" or "stored" (see BACKWARDS); None: GENOLONG_SINKHORN_BWD, default recompute."""
+    mode: "recompute" or "stored" (see BACKWARDS); None: GENOLONG_SINKHORN_BWD, default stored."""
     mode = mode or backward_mode()
     x, dy = comb.contiguous(), grad.contiguous().to(comb.dtype)
     dx = torch.empty_like(x)

@@ -66,9 +66,11 @@ class CompileHandle:
         self.switched = []
 
 
-def apply_compile(model: torch.nn.Module, *, sinkhorn: str | None = None) -> CompileHandle:
+def apply_compile(model: torch.nn.Module, *, sinkhorn: str | None = None, mhc: bool = True) -> CompileHandle:
     """Compile the small-op regions of `model` (module docstring). sinkhorn: "triton" (the fused
-    kernels through the custom op), "inductor" (traced into the graph), None: triton on CUDA."""
+    kernels through the custom op), "inductor" (traced into the graph), None: triton on CUDA.
+    mhc=False leaves mHC to the hot ops (on the GPU, the fused passes of mhc_fused.py, 7-9x the
+    eager mHC) and compiles only the norms, the router and the dense MLP."""
     from genolong.train.memory import Fp32InputMHC
     from genolong.train.wrapper import wrappers
 
@@ -85,7 +87,7 @@ def apply_compile(model: torch.nn.Module, *, sinkhorn: str | None = None) -> Com
     switches = {cls.__bases__[0]: cls for cls in _COMPILED_CLASSES}
     for module in model.modules():
         compiled_cls = switches.get(type(module))
-        if compiled_cls is None or id(module) in eager:
+        if compiled_cls is None or id(module) in eager or (compiled_cls is CompiledHyperConnection and not mhc):
             continue
         handle.switched.append((module, type(module)))
         module.__class__ = compiled_cls

@@ -78,7 +78,10 @@ def parallelize(model: torch.nn.Module, options, pmesh=None, *, kernels: str = o
     if options.compile:
         from genolong.train.compile import apply_compile
 
-        compiled = apply_compile(model)
+        # On the GPU the hot-op policy runs mHC as its fused Triton passes (7-9x the eager mHC);
+        # compiling it would replace them, so the pass compiles the norms, router and MLP only.
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        compiled = apply_compile(model, mhc=not on_gpu or kernels == ops.REFERENCE)
     grads = None
     if pmesh is not None:
         from genolong.parallel.grad_sync import GradientSync

@@ -1,5 +1,5 @@
 """The atomics-free MoE combine on a CUDA GPU in bf16 against the index_add combine (skipped without
-a GPU), and glm53-mini's MoE block under GENOLONG_MOE_COMBINE=triton against the default."""
+a GPU), and glm53-mini's MoE block with the Triton combine (the default) against index_add."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ def test_triton_combine_in_bf16_matches_index_add():
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
-def test_moe_block_with_the_triton_combine_matches_the_default(monkeypatch):
+def test_moe_block_with_the_triton_combine_matches_index_add(monkeypatch):
     import genolong.kernels as kernels
     from genolong.model import get_preset, ops
     from genolong.model.moe import MoE

@@ -87,4 +87,4 @@ def test_backward_mode_names_a_wrong_setting(monkeypatch):
     with pytest.raises(ValueError, match="GENOLONG_SINKHORN_BWD='fast': use one of recompute, stored"):
         backward_mode()
     monkeypatch.delenv("GENOLONG_SINKHORN_BWD")
-    assert backward_mode() == "recompute"
+    assert backward_mode() == "stored"

@@ -70,4 +70,4 @@ def test_combine_setting_names_a_wrong_value(monkeypatch):
     with pytest.raises(ValueError, match="GENOLONG_MOE_COMBINE='atomic': use one of index_add, triton"):
         combine_mode()
     monkeypatch.delenv("GENOLONG_MOE_COMBINE")
-    assert combine_mode() == "index_add"
+    assert combine_mode() == "triton"

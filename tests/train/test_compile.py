@@ -57,6 +57,17 @@ def test_compiled_model_matches_eager_under_recompute_and_offload():
     assert not any(name in m.__dict__ for m in model.modules() for name in ("forward", "expand"))
 
 
+def test_without_mhc_the_pass_leaves_the_hyper_connections_to_the_hot_ops():
+    model = GenoLongForCausalLM(get_preset("tiny"))
+    handle = apply_compile(model, sinkhorn="inductor", mhc=False)
+    assert handle.counts == {"RMSNorm.forward": 11, "GatedRMSNorm.forward": 3, "Router.forward": 1, "DenseMLP.forward": 4}
+    kinds = [type(m).__name__ for m in model.modules()]
+    assert kinds.count("HyperConnection") == 8 and "CompiledHyperConnection" not in kinds
+    assert kinds.count("CompiledRMSNorm") == 11 and "RMSNorm" not in kinds
+    handle.remove()
+    assert "Compiled" not in str(model)
+
+
 def test_unknown_sinkhorn_is_a_clear_error():
     from genolong.errors import GenolongError
 
