@@ -33,9 +33,9 @@ for stage in "$@"; do
     failing) cmd="python3 -m pytest -q --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
     # mHC around a layer, eager vs the fused Triton passes, at glm53-mini's and GLM-5.3-Flash's width.
     mhc) cmd="python3 benchmarks/bench_mhc.py --out $OUT/mhc --budget-s $(( limit - 40 )) ${MHC_ARGS:-}" ;;
-    # mHC's Sinkhorn backward, the O(steps^2) recompute kernel vs the O(steps) stored-sums one (opt-in until measured).
+    # mHC's Sinkhorn backward, the O(steps^2) recompute kernel vs the O(steps) stored-sums one (the default since 2026-12-02).
     sinkhorn) cmd="python3 benchmarks/bench_sinkhorn.py --out $OUT/sinkhorn ${SINKHORN_ARGS:-}" ;;
-    # The MoE combine, bf16 index_add vs the atomics-free Triton combine (opt-in until measured).
+    # The MoE combine, bf16 index_add vs the atomics-free Triton combine (the default since 2026-12-02).
     moecombine) cmd="python3 benchmarks/bench_moe_combine.py --out $OUT/moe_combine ${MOECOMBINE_ARGS:-}" ;;
     # How much neighbouring queries' real selections overlap (would a union sparse-MLA backward pay off?).
     overlap) cmd="python3 benchmarks/probe_selection_overlap.py --data /tmp/bundled --out $OUT/overlap ${OVERLAP_ARGS:-}" ;;
