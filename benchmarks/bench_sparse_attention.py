@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import SIZES, measure  # noqa: E402
 
 import genolong.kernels as kernels  # noqa: E402
-from genolong.kernels import sparse_mla, sparse_mla_grouped  # noqa: E402
+from genolong.kernels import sparse_mla, sparse_mla_grouped, sparse_mla_triton  # noqa: E402
 from genolong.model import get_preset, ops  # noqa: E402
 from genolong.model.dsa import sparse_attention_reference  # noqa: E402
 
@@ -60,6 +60,34 @@ LATENT = 512
 IMPLS = ("triton-keychunk", "triton-atomic", "triton-grouped", "megatron", "sdpa")
 FWD_IMPLS = ("triton-fwd", "triton-grouped-fwd", "megatron-fwd")
 PROBES = ("probe-grouped-bwd", "probe-grouped-bwd-nodkv", "probe-keychunk-bwd", "probe-pack")
+# v1's backward probes, any of: probe-{keychunk,atomic}-bwd[-nodkv|-store][-kc<keys per chunk>]
+# (-nodkv: no dkv products or adds; -store: plain stores instead of the adds; wrong dkv both).
+PROBE_CONFIG = sparse_mla_triton.Config(16, 16, 4, 5)
+
+
+def parse_probe(impl: str) -> tuple[str, str, int]:
+    """(dkv mode, dkv op, key chunk) of a backward probe's name; SystemExit for a malformed one."""
+    parts = impl.split("-")
+    if len(parts) < 3 or parts[0] != "probe" or parts[1] not in ("keychunk", "atomic", "grouped") or parts[2] != "bwd":
+        sys.exit(f"{impl}: not a backward probe (probe-{{keychunk,atomic,grouped}}-bwd[-nodkv|-store][-kcN])")
+    dkv_op, key_chunk = "add", sparse_mla.KEY_CHUNK
+    for extra in parts[3:]:
+        if extra in ("nodkv", "store"):
+            dkv_op = "skip" if extra == "nodkv" else "store"
+        elif extra.startswith("kc") and extra[2:].isdigit() and int(extra[2:]) > 0:
+            key_chunk = int(extra[2:])
+        else:
+            sys.exit(f"{impl}: unknown probe option {extra!r} (nodkv, store, kc<keys>)")
+    return parts[1], dkv_op, key_chunk
+
+
+def is_impl(impl: str) -> bool:
+    if impl in IMPLS + FWD_IMPLS + PROBES:
+        return True
+    if impl.startswith("probe-") and impl != "probe-pack":
+        parse_probe(impl)
+        return True
+    return False
 # impl -> (forward mode, dkv mode) of sparse_mla.sparse_mla
 TRITON_MODES = {"triton-keychunk": ("query", "keychunk"), "triton-atomic": ("query", "atomic"),
                 "triton-grouped": ("grouped", "grouped"), "triton-fwd": ("query", None), "triton-grouped-fwd": ("grouped", None)}
@@ -77,6 +105,15 @@ PRESETS = {
         ("64k", 64, "triton-grouped"), ("64k", 64, "triton-atomic"), ("64k", 64, "triton-grouped-fwd"), ("64k", 64, "triton-fwd"),
         ("512k", 4, "triton-grouped-fwd"), ("512k", 4, "triton-fwd"),
         ("128k", 4, "megatron")]),
+    # Where v1's key-chunked backward spends its time (2026-12-02, twelfth session): without the dkv
+    # adds, with plain stores instead, the one-pass (atomic) layout, other key chunk sizes; the
+    # forward for its gathers alone. Probes only (no parity, no megatron): < 2 min cold.
+    "bwd-probe": dict(parity_modes="keychunk", cells=[
+        ("128k", 4, "probe-keychunk-bwd"), ("128k", 4, "probe-keychunk-bwd-nodkv"), ("128k", 4, "probe-keychunk-bwd-store"),
+        ("128k", 4, "probe-atomic-bwd"), ("128k", 4, "probe-atomic-bwd-nodkv"), ("128k", 4, "triton-fwd"),
+        ("128k", 4, "probe-keychunk-bwd-kc2048"), ("128k", 4, "probe-keychunk-bwd-kc4096"), ("128k", 4, "probe-keychunk-bwd-kc16384"),
+        ("128k", 16, "probe-keychunk-bwd"), ("128k", 16, "probe-keychunk-bwd-nodkv"),
+        ("512k", 4, "probe-keychunk-bwd"), ("512k", 4, "probe-keychunk-bwd-kc4096"), ("512k", 4, "probe-keychunk-bwd-nodkv")]),
     # The grouped passes' parity on the GPU and their time beside the default (v1 keychunk) at
     # 128k for 4, 16 and 64 heads, then 512k at 4 heads: no TileLang, no probes (< 200 s cold).
     "grouped-check": dict(parity_modes="grouped", cells=[
@@ -183,9 +220,12 @@ def make_step(impl: str, seq: int, heads: int, idx: torch.Tensor, scale: float):
     if impl.startswith("probe-"):
         with torch.no_grad():
             out, lse = sparse_mla._forward(q.detach(), kv.detach(), idx, scale)
-        mode = "keychunk" if "keychunk" in impl else "grouped"
-        return lambda: sparse_mla._backward(q.detach(), kv.detach(), idx, out, lse, dout, scale, mode, sparse_mla.KEY_CHUNK,
-                                            sparse_mla.QUERY_BUDGET_BYTES, add_dkv="nodkv" not in impl)
+        mode, dkv_op, key_chunk = parse_probe(impl)
+        # v1's probes pin one launch config (the one the H200 chose for the key-chunked pass,
+        # 2026-12-01), so that they time the same build and leave no choice behind for the cells.
+        config = None if mode == "grouped" else PROBE_CONFIG
+        return lambda: sparse_mla._backward(q.detach(), kv.detach(), idx, out, lse, dout, scale, mode, key_chunk,
+                                            sparse_mla.QUERY_BUDGET_BYTES, config, dkv_op)
     fn = sparse_fn(impl, scale)
     if impl.endswith("-fwd"):
         def forward_only():
@@ -227,7 +267,7 @@ def main() -> None:
             plan = [(s, int(h)) for s, h in (p.split(":") for p in args.plan.split(",") if p)] or PLAN
             extra = [f"{i}-fwd" for i in ("triton", "megatron") if any(x.startswith(i) for x in impls)]
             cells = [(s, h, i) for s, h in plan for i in impls + (extra if (s, h) == ("128k", 4) else [])]
-    unknown = {i for _, _, i in cells} - set(IMPLS + FWD_IMPLS + PROBES)
+    unknown = {i for _, _, i in cells if not is_impl(i)}
     if unknown:
         sys.exit(f"unknown implementations {sorted(unknown)}; known: {', '.join(IMPLS + FWD_IMPLS + PROBES)}")
     jsonl = (args.out / "bench.jsonl").open("a")
@@ -294,7 +334,9 @@ def render(rows: list[dict]) -> str:
                          f"lse {r['lse_abs']:.2e}  {'ok' if r['ok'] else 'FAILED (> 1e-2)'}")
     cells = {(r["size"], r["heads"], r["impl"]): r for r in rows if r["kind"] in ("time", "error", "skipped")}
     keys = sorted({(s, h) for s, h, _ in cells}, key=lambda k: (SIZES[k[0]], k[1]))
-    present = [i for i in IMPLS + FWD_IMPLS + PROBES if any(c[2] == i for c in cells)]
+    named = list(IMPLS + FWD_IMPLS + PROBES)
+    present = [i for i in named if any(c[2] == i for c in cells)]
+    present += sorted({c[2] for c in cells} - set(named))  # v1's parametrised probes
 
     def show(r):
         if r is None:

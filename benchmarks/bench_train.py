@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +36,18 @@ from bench_memory_ablation import HOST_RAM_GIB, Bench, longest  # noqa: E402
 from genolong.model import ops  # noqa: E402
 from genolong.train.options import MemoryOptions  # noqa: E402
 from genolong.units import format_length, parse_length  # noqa: E402
+
+
+def parse_env_arms(text: str) -> list[dict[str, str]]:
+    """'A=1,B=2;A=3' -> [{'A': '1', 'B': '2'}, {'A': '3'}]; '' -> [{}] (one arm, the environment as it is)."""
+    arms = []
+    for arm in (a for a in text.split(";") if a.strip()):
+        pairs = [p.strip() for p in arm.split(",") if p.strip()]
+        bad = [p for p in pairs if "=" not in p or not p.split("=", 1)[0]]
+        if bad:
+            raise SystemExit(f"--env-arms: {bad[0]!r} is not NAME=value (arms are separated by ';', settings by ',')")
+        arms.append(dict(p.split("=", 1) for p in pairs))
+    return arms or [{}]
 
 
 def main(argv=None) -> int:
@@ -59,6 +72,9 @@ def main(argv=None) -> int:
                    help="with --compile: leave mHC to its fused kernels, compile the norms, router and dense MLP only")
     p.add_argument("--keep-sparse", default="auto",
                    help="comma list of MemoryOptions.keep_sparse values; each length runs once per value, side by side")
+    p.add_argument("--env-arms", default="",
+                   help="arms of environment settings, e.g. 'GENOLONG_MOE_SWIGLU=eager;GENOLONG_MOE_SWIGLU=triton': "
+                        "each length runs once per arm (after each keep-sparse value), one after the other on one model")
     p.add_argument("--indexer-loss-coeff", type=float, default=0.0, help="> 0: every step also trains the DSA indexer (its KL loss)")
     args = p.parse_args(argv)
     if args.ladder:
@@ -104,10 +120,12 @@ def main(argv=None) -> int:
     full = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keeps[0])
 
     # 1. throughput and memory on real DNA, beside the plan
-    for n, keep in [(parse_length(x), k) for x in args.lengths.split(",") for k in keeps]:
+    arms = parse_env_arms(args.env_arms)
+    for n, keep, arm in [(parse_length(x), k, a) for x in args.lengths.split(",") for k in keeps for a in arms]:
         if left() < 30:
-            results["not_run"].append(f"train {format_length(n)} keep_sparse={keep}: time budget")
+            results["not_run"].append(f"train {format_length(n)} keep_sparse={keep} {arm}: time budget")
             continue
+        os.environ.update(arm)
         opts = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keep)
         bench.use(opts)
         k = 0
@@ -133,7 +151,7 @@ def main(argv=None) -> int:
                 bench.use(opts)
                 continue
             row.update(bench.plan(n, offload_layers=row["offload_layers"]))
-            row.update(phase="train", step=k + 1, ok=True)
+            row.update(phase="train", step=k + 1, ok=True, **({"env": arm} if arm else {}))
             if k == 0:
                 row["kernels"] = ops.audit_summary()
                 row["memory"] = bench.handle.describe()

@@ -19,7 +19,7 @@ for stage in "$@"; do
   name=${stage%%:*}; limit=${stage##*:}
   echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
   case $name in
-    indexer) cmd="python3 benchmarks/bench_indexer.py --sizes 512k --extra 1M --out $OUT/indexer" ;;
+    indexer) cmd="python3 benchmarks/bench_indexer.py --sizes 512k --extra 1M --out $OUT/indexer ${INDEXER_ARGS:-}" ;;
     kdatest) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_kernels.py -k kda" ;;
     gputests) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider -m gpu tests/gpu tests/train/test_memory.py" ;;
     profile128k) cmd="python3 benchmarks/profile_step.py --data /tmp/bundled --seq 128k --warmup 2 --out $OUT/profile128k" ;;
@@ -37,6 +37,8 @@ for stage in "$@"; do
     sinkhorn) cmd="python3 benchmarks/bench_sinkhorn.py --out $OUT/sinkhorn ${SINKHORN_ARGS:-}" ;;
     # The MoE combine, bf16 index_add vs the atomics-free Triton combine (the default since 2026-12-02).
     moecombine) cmd="python3 benchmarks/bench_moe_combine.py --out $OUT/moe_combine ${MOECOMBINE_ARGS:-}" ;;
+    # The MoE experts' clamped SwiGLU, eager vs the fused Triton pass (GENOLONG_MOE_SWIGLU).
+    swiglu) cmd="python3 benchmarks/bench_swiglu.py --out $OUT/swiglu ${SWIGLU_ARGS:-}" ;;
     # How much neighbouring queries' real selections overlap (would a union sparse-MLA backward pay off?).
     overlap) cmd="python3 benchmarks/probe_selection_overlap.py --data /tmp/bundled --out $OUT/overlap ${OVERLAP_ARGS:-}" ;;
     idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;

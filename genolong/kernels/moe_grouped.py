@@ -10,10 +10,10 @@ expert sees several times the mean) cannot make a transient larger than the chun
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from genolong.kernels import _common, moe_combine_triton
+from genolong.kernels import _common, moe_combine_triton, swiglu_triton
 from genolong.kernels.moe_combine_triton import combine_index_add
+from genolong.model.mlp import clamped_swiglu
 from genolong.model.ops import KernelUnsupported
 
 CHUNK_BUDGET_BYTES = 1 << 30
@@ -39,9 +39,15 @@ def chunk_tokens_for(k: int, hidden: int, inter: int, itemsize: int, budget_byte
     return max(1, budget_bytes // per_token)
 
 
+def swiglu_eager(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The model's clamped SwiGLU on the [gate | up] halves of the grouped GEMM's output."""
+    return clamped_swiglu(*gate_up.chunk(2, dim=-1), limit)
+
+
 def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limit, chunk_tokens=None, mm=grouped_mm,
-                    combine=combine_index_add):
-    """combine(out, order, weight, k): the weighted sum back to the tokens (moe_combine_triton.py)."""
+                    combine=combine_index_add, swiglu=swiglu_eager):
+    """combine(out, order, weight, k): the weighted sum back to the tokens (moe_combine_triton.py);
+    swiglu(gate_up, limit): the activation on [gate | up] (swiglu_triton.py fuses it)."""
     n_tokens, k = topk_idx.shape
     n_experts, two_inter, hidden = gate_up_proj.shape
     inter = two_inter // 2
@@ -57,8 +63,7 @@ def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limi
         offs = torch.cumsum(torch.bincount(flat, minlength=n_experts), 0).to(torch.int32)
         token = order // k
         rows = x[n0 : n0 + chunk_tokens][token]
-        gate, up = mm(rows, w_gate_up, offs).chunk(2, dim=-1)
-        h = F.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)
+        h = swiglu(mm(rows, w_gate_up, offs), swiglu_limit)
         out = mm(h, w_down, offs)
         outputs.append(combine(out, order, topk_w[n0 : n0 + chunk_tokens].reshape(-1), k))
     return torch.cat(outputs, 0) if len(outputs) != 1 else outputs[0]
@@ -78,4 +83,6 @@ def moe_experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_
     if hidden % 8 or two_inter % 16:
         raise KernelUnsupported(f"grouped GEMM needs 16-byte aligned rows: hidden {hidden}, 2*inter {two_inter}")
     combine = moe_combine_triton.combine if moe_combine_triton.combine_mode() == "triton" else combine_index_add
-    return experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, swiglu_limit=swiglu_limit, combine=combine)
+    swiglu = swiglu_triton.clamped_swiglu_packed if swiglu_triton.swiglu_mode() == "triton" else swiglu_eager
+    return experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, swiglu_limit=swiglu_limit, combine=combine,
+                           swiglu=swiglu)

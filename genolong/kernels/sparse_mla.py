@@ -9,7 +9,8 @@ summing over the heads. docs/kernels.md has the design and the bytes-per-query a
 dkv, two ways (`dkv_mode`):
 - "atomic": one query-major pass; the fp32 dkv buffer ([S, 512], 4x the size of L2 at 128k) is
   added to at random rows.
-- "keychunk": each query's row is sorted, and the same pass runs key chunk by key chunk (programs
+- "keychunk": each query's row is put in key order (sorted, unless its keys already ascend, as the
+  fused indexer writes them), and the same pass runs key chunk by key chunk (programs
   ordered chunk-major), so the kv rows and fp32 dkv rows in use fit in L2; dq becomes a partial
   sum per chunk, added into an fp32 buffer. Rows are processed in query chunks sized from a
   byte budget (the sort, the chunk ranges and the fp32 dq of a chunk). With one key chunk
@@ -43,11 +44,16 @@ from genolong.model.ops import KernelUnsupported
 ENV_SWITCH = "GENOLONG_SPARSE_MLA"
 ENV_DKV_MODE = "GENOLONG_SPARSE_MLA_DKV"
 ENV_FWD_MODE = "GENOLONG_SPARSE_MLA_FWD"
+ENV_SORT = "GENOLONG_SPARSE_MLA_SORT"  # "always": sort every row for the key-chunked pass (the old path)
 DKV_MODES = ("atomic", "keychunk", "grouped")
 FWD_MODES = ("query", "grouped")
 DEFAULT_DKV_MODE = "keychunk"
 DEFAULT_FWD_MODE = "query"
-KEY_CHUNK = 8192  # keys per chunk: 8 MiB of bf16 kv + 16 MiB of fp32 dkv, half of an H200's L2
+# Keys per chunk of the key-chunked backward: 16 MiB of bf16 kv + 32 MiB of fp32 dkv, about an H200's
+# L2. Measured (bench_sparse_attention.py probes, 2026-12-02): 512k x 4 heads 1,213 ms vs 1,341 at
+# 8192 and 1,582 at 4096; 128k 276.7 vs 275.5 at 8192, 296 at 32768. GENOLONG_SPARSE_MLA_KEY_CHUNK overrides it.
+KEY_CHUNK = 16384
+ENV_KEY_CHUNK = "GENOLONG_SPARSE_MLA_KEY_CHUNK"
 QUERY_BUDGET_BYTES = 1 << 30
 TUNE_ROWS = 16384
 ROW_ALIGN = 16
@@ -223,17 +229,45 @@ def _forward_grouped(q, kv, idx, scale, key_chunk, budget_bytes, config):
 
 
 def backward_row_bytes(width: int, heads: int, dim: int, n_chunks: int) -> int:
-    """Transient bytes per query row of a key-chunked launch: the sort (int32 values + int64
-    positions), the chunk bounds (and searchsorted's input) and the fp32 dq partial sums."""
-    return width * 12 + (n_chunks + 1) * 12 + heads * dim * 4
+    """Transient bytes per query row of a key-chunked launch: the ascending check (an int32 copy, its
+    flip, cummin's int32 values and int64 positions; a sort needs less), the chunk bounds (and
+    searchsorted's input) and the fp32 dq partial sums."""
+    return width * 20 + (n_chunks + 1) * 12 + heads * dim * 4
+
+
+def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, always_sort: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows the key-chunked pass walks, bounds [n, C + 1] int32): row r's slots of key chunk c are
+    [bounds[r, c], bounds[r, c + 1]) of its walked row.
+
+    Rows whose keys ascend apart from their empty (negative) slots are walked as they are: the fused
+    indexer writes its pools in ascending order, then the tail, so this skips a sort of every row.
+    Their bounds come from each slot's smallest key at or after it, which ascends: an empty slot
+    joins the range of the next key (the kernel skips it), trailing ones no range. Otherwise the
+    rows are sorted (empty slots first), as before (always with `always_sort`: GENOLONG_SPARSE_MLA_SORT=always,
+    the measurement's old arm). One host sync for the check."""
+    def bounds(ascending):
+        return torch.searchsorted(ascending, edges.expand(idx.shape[0], -1).contiguous(), out_int32=True)
+
+    if not always_sort:
+        filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
+        suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
+        del filled
+        if bool(((idx < 0) | (idx == suffix_min)).all()):
+            return idx, bounds(suffix_min)
+        del suffix_min
+    walked = torch.sort(idx, dim=-1).values
+    return walked, bounds(walked)
 
 
 def backward_rows_per_chunk(width: int, heads: int, dim: int, n_chunks: int, budget_bytes: int) -> int:
     return max(1, budget_bytes // backward_row_bytes(width, heads, dim, n_chunks))
 
 
-def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, config=None, add_dkv=True):
-    """dq and dkv; add_dkv=False (grouped mode only) skips dkv: the benchmark's probe of its cost."""
+def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, config=None, dkv_op="add"):
+    """dq and dkv; dkv_op "skip" (any mode) or "store" (not grouped) are the benchmark's probes of
+    what the dkv adds cost: the dkv they return is wrong."""
+    if dkv_op not in ("add", "skip", "store") or (dkv_op == "store" and mode == "grouped"):
+        raise GenolongError(f"dkv_op {dkv_op!r} is not a probe of the {mode} backward")
     from genolong.kernels import sparse_mla_triton as k
 
     batch, seq, heads, dim = q.shape
@@ -251,14 +285,14 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
     n_chunks = max(1, math.ceil(seq_kv / key_chunk))
     if mode == "grouped":
         _backward_grouped(q, kv, idx, dout, lse, dlt, dq, dkv.view(batch, seq_kv, dim), scale, key_chunk, budget_bytes,
-                          config, add_dkv)
+                          config, dkv_op == "add")
         return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
     one_pass = mode == "atomic" or n_chunks == 1
 
     def launch(r0, r1, config, dq_dst, bounds=None, sorted_idx=None):
         src = flat_idx[r0:r1] if sorted_idx is None else sorted_idx
         k.backward(rows[r0:r1], kv_rows, src, drows[r0:r1], flat_lse[r0:r1], dlt[r0:r1], dq_dst, dkv,
-                   row0=r0, config=config, bounds=bounds, **kw)
+                   row0=r0, config=config, bounds=bounds, dkv_op=dkv_op, **kw)
 
     if one_pass:
         if config is None:
@@ -270,22 +304,30 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
         return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
 
     step = max(ROW_ALIGN, _aligned(backward_rows_per_chunk(width, heads, dim, n_chunks, budget_bytes)))
+    always_sort = os.environ.get(ENV_SORT, "auto") == "always"
     edges = torch.arange(n_chunks + 1, device=q.device, dtype=torch.int32) * key_chunk
 
     def chunk(r0, r1):
-        """The rows sorted (-1, empty, first: below chunk 0), each key chunk's slot range, a zero dq."""
-        sorted_idx = torch.sort(flat_idx[r0:r1], dim=-1).values
-        bounds = torch.searchsorted(sorted_idx, edges.expand(r1 - r0, -1).contiguous(), out_int32=True)
-        return sorted_idx, bounds, torch.zeros((r1 - r0, heads, dim), dtype=torch.float32, device=q.device)
+        """The rows in key order (key_chunk_rows), each key chunk's slot range, a zero dq."""
+        walked, bounds = key_chunk_rows(flat_idx[r0:r1], edges, always_sort)
+        return walked, bounds, torch.zeros((r1 - r0, heads, dim), dtype=torch.float32, device=q.device)
 
     if config is None:
-        # Trials on the last rows (the most key chunks per row), before anything is added to dkv.
+        # Trials on the last rows (the most key chunks per row), before anything is added to dkv;
+        # their rows are ordered only if a trial runs (a remembered config needs none).
         r0 = _aligned(max(0, n_rows - min(step, TUNE_ROWS)))
-        sorted_idx, bounds, dq32 = chunk(r0, n_rows)
-        config, timed = pick("bwd_keychunk", q, width, lambda c: launch(r0, n_rows, c, dq32, bounds, sorted_idx))
+        trial_rows = []
+
+        def trial(c):
+            if not trial_rows:
+                trial_rows.extend(chunk(r0, n_rows))
+            walked, bounds, dq32 = trial_rows
+            launch(r0, n_rows, c, dq32, bounds, walked)
+
+        config, timed = pick("bwd_keychunk", q, width, trial)
         if timed:
             dkv.zero_()
-        del sorted_idx, bounds, dq32
+        trial_rows.clear()
     for r0 in range(0, n_rows, step):
         r1 = min(n_rows, r0 + step)
         sorted_idx, bounds, dq32 = chunk(r0, r1)
@@ -359,6 +401,13 @@ def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mo
     return (out, lse) if return_lse else out
 
 
+def _key_chunk() -> int:
+    text = os.environ.get(ENV_KEY_CHUNK, str(KEY_CHUNK))
+    if not text.isdigit() or int(text) < 1:
+        raise GenolongError(f"{ENV_KEY_CHUNK}={text!r} is not a positive number of keys; set it to e.g. {KEY_CHUNK} or unset it")
+    return int(text)
+
+
 def _modes() -> dict[str, str]:
     modes = {}
     for env, choices, default in ((ENV_DKV_MODE, DKV_MODES, DEFAULT_DKV_MODE), (ENV_FWD_MODE, FWD_MODES, DEFAULT_FWD_MODE)):
@@ -376,8 +425,9 @@ def replay_dsa_sparse_attention(kept, q: torch.Tensor, kv: torch.Tensor, indices
     if out.shape != q.shape or lse.shape != q.shape[:3]:
         raise GenolongError(f"kept sparse-attention result {tuple(out.shape)} / {tuple(lse.shape)} does not match q {tuple(q.shape)}")
     mode = _modes()[ENV_DKV_MODE]
-    out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), float(scale), mode, KEY_CHUNK,
-                                QUERY_BUDGET_BYTES, {}, DEFAULT_FWD_MODE, 2 * KEY_CHUNK, (out.contiguous(), lse.contiguous()))
+    key_chunk = _key_chunk()
+    out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), float(scale), mode, key_chunk,
+                                QUERY_BUDGET_BYTES, {}, DEFAULT_FWD_MODE, 2 * key_chunk, (out.contiguous(), lse.contiguous()))
     return (out, lse) if return_lse else out
 
 
@@ -386,7 +436,7 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
     Environment: GENOLONG_SPARSE_MLA=off declines (the next implementation, megatron-core's
     TileLang kernel, runs instead); GENOLONG_SPARSE_MLA_DKV picks the dkv mode,
-    GENOLONG_SPARSE_MLA_FWD the forward's."""
+    GENOLONG_SPARSE_MLA_FWD the forward's, GENOLONG_SPARSE_MLA_KEY_CHUNK the keys per chunk."""
     if os.environ.get(ENV_SWITCH, "on") == "off":
         raise KernelUnsupported(f"disabled by {ENV_SWITCH}=off")
     _common.require_cuda(q, kv, indices)
@@ -399,4 +449,4 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         raise KernelUnsupported(f"triton is not importable: {why}") from why
     modes = _modes()
     return sparse_mla(q, kv, indices, scale=scale, return_lse=return_lse, dkv_mode=modes[ENV_DKV_MODE],
-                      fwd_mode=modes[ENV_FWD_MODE])
+                      fwd_mode=modes[ENV_FWD_MODE], key_chunk=_key_chunk())

@@ -37,6 +37,7 @@ _LN2 = tl.constexpr(LN2)
 _LOG2E = tl.constexpr(LOG2E)
 MIN_HEAD_BLOCK = 16  # the tensor-core product's row count: fewer heads are padded in registers
 RANGED_ROWS = 16  # rows per program of the key-chunked backward
+DKV_OPS = {"skip": 0, "add": 1, "store": 2}  # "skip", "store": probes only
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,10 @@ def _sparse_mla_delta_kernel(o_ptr, do_ptr, delta_ptr, H, HP: tl.constexpr, D: t
 @triton.jit
 def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
              row0, seq_q, seq_kv, width, scale, scale_log2, H,
-             HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr):
-    """Slots [lo, hi) of one row, one head block: dq (stored, or added when DQ_ATOMIC) and dkv (added)."""
+             HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr,
+             DKV_OP: tl.constexpr):
+    """Slots [lo, hi) of one row, one head block: dq (stored, or added when DQ_ATOMIC) and dkv (added;
+    DKV_OP 0 / 2 skip it / store it instead: the benchmark's probes of the adds' cost, wrong dkv)."""
     heads = hb * HB + tl.arange(0, HB)
     live = heads < H
     d = tl.arange(0, D)
@@ -147,10 +150,14 @@ def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         dp = tl.dot(do, tl.trans(k), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        # The whole head block's contribution to each selected key, summed before the atomic.
-        dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, input_precision=PREC)
-        dkv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)
-        tl.atomic_add(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None], sem="relaxed")
+        if DKV_OP != 0:
+            # The whole head block's contribution to each selected key, summed before the atomic.
+            dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, input_precision=PREC)
+            dkv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)
+            if DKV_OP == 1:
+                tl.atomic_add(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None], sem="relaxed")
+            else:
+                tl.store(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None])
     dq = dq * scale
     if DQ_ATOMIC:
         tl.atomic_add(dq_ptr + offs, dq, mask=live[:, None], sem="relaxed")
@@ -162,7 +169,7 @@ def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
 def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, bounds_ptr,
                 row0, n_rows, seq_q, seq_kv, width, n_bounds, scale, scale_log2, H,
                 HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
-                RANGED: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr):
+                RANGED: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr, DKV_OP: tl.constexpr):
     # Per-row tensors (q, idx, dO, lse, Delta, dq) start at this launch's first row; row0 + row is
     # the row in the whole [B*T] sequence (for the batch of its keys).
     pid = tl.program_id(0)
@@ -186,10 +193,10 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
                     hi = tl.load(bounds_ptr + row * n_bounds + chunk + 1)
                     if hi > lo:
                         _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
-                                 row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC)
+                                 row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP)
     else:
         _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
-                 pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC)
+                 pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC, DKV_OP)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -215,9 +222,10 @@ def delta(out, dout, dst) -> None:
 
 
 def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_kv: int, scale: float,
-             config: Config, bounds=None) -> None:
+             config: Config, bounds=None, dkv_op: str = "add") -> None:
     """dq and dkv (fp32, added to) for the rows of this launch; dq is stored (q's dtype) in one pass,
-    added to (an fp32 buffer) with key chunks.
+    added to (an fp32 buffer) with key chunks. `dkv_op` "skip" / "store" are the benchmark's probes
+    (wrong dkv).
 
     `bounds` [rows, C + 1] int32: row r's slots of key chunk c are [bounds[r, c], bounds[r, c+1])
     of its (sorted) idx row; None: every slot in one pass."""
@@ -232,7 +240,7 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
     _sparse_mla_bwd_kernel[(grid,)](q, kv, idx, dout, lse, dlt, dq, dkv, idx if bounds is None else bounds,
                          row0, rows, seq_q, seq_kv, idx.shape[1], n_bounds, scale, scale * LOG2E, heads,
                          HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
-                         RANGED=bounds is not None, ROWS=RANGED_ROWS,
+                         RANGED=bounds is not None, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS[dkv_op],
                          PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -248,7 +256,7 @@ def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool
                     seq_q="i32", seq_kv="i32", width="i32", scale_log2="fp32", H="i32")
     else:
         fn = _sparse_mla_bwd_kernel
-        meta.update(RANGED=ranged, ROWS=RANGED_ROWS)
+        meta.update(RANGED=ranged, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS["add"])
         args = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32",
                     dq_ptr="*fp32" if ranged else "*bf16", dkv_ptr="*fp32", bounds_ptr="*i32", row0="i32", n_rows="i32",
                     seq_q="i32", seq_kv="i32", width="i32", n_bounds="i32", scale="fp32", scale_log2="fp32", H="i32")

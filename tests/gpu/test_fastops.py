@@ -33,6 +33,11 @@ def test_indexer_v2_selection_identical_to_reference(heads):
     mismatched = _near_ties_only(got, ref, q, keys, w, KW)
     assert mismatched <= seq // 20, f"{mismatched} of {seq} rows differ (all near-ties)"
     print(f"v2, {heads} heads: {mismatched} of {seq} rows differ from the reference, all within fp32 rounding")
+    # Rows ascend apart from empty slots: the sparse backward walks them without sorting.
+    from genolong.kernels.sparse_mla import key_chunk_rows
+
+    rows = got[0].contiguous()
+    assert key_chunk_rows(rows, torch.tensor([0, 4096, seq], dtype=torch.int32, device=DEV))[0] is rows
 
 
 def test_indexer_v2_pieces_at_their_offsets_select_like_the_whole_sequence():

@@ -27,7 +27,9 @@ def test_triton_combine_in_bf16_matches_index_add():
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
-def test_moe_block_with_the_triton_combine_matches_index_add(monkeypatch):
+def moe_block_arms(monkeypatch, env: str, modes: tuple, x_scale: float = 1.0) -> list:
+    """glm53-mini's MoE block under the fused policy, once per value of the setting `env`: [output,
+    d x, every parameter's gradient] per mode, in fp32 (also tests/gpu/test_swiglu.py)."""
     import genolong.kernels as kernels
     from genolong.model import get_preset, ops
     from genolong.model.moe import MoE
@@ -36,15 +38,19 @@ def test_moe_block_with_the_triton_combine_matches_index_add(monkeypatch):
     cfg = get_preset("glm53-mini")
     torch.manual_seed(0)
     block = MoE(cfg.hidden, cfg.moe, 3).cuda().to(torch.bfloat16)
-    x = torch.randn(1, 4096, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, cfg.hidden, device="cuda", dtype=torch.bfloat16) * x_scale
     results = []
-    for mode in ("index_add", "triton"):
-        monkeypatch.setenv("GENOLONG_MOE_COMBINE", mode)
+    for mode in modes:
+        monkeypatch.setenv(env, mode)
         block.zero_grad()
         xi = x.clone().requires_grad_()
         with ops.policy("fused"):
             y = block(xi)
         y.float().square().mean().backward()
         results.append([y.float(), xi.grad.float()] + [p.grad.float() for p in block.parameters() if p.grad is not None])
-    for a, b in zip(*results):
+    return results
+
+
+def test_moe_block_with_the_triton_combine_matches_index_add(monkeypatch):
+    for a, b in zip(*moe_block_arms(monkeypatch, "GENOLONG_MOE_COMBINE", ("index_add", "triton"))):
         assert ((a - b).norm() / b.norm().clamp_min(1e-12)).item() < 2e-2

@@ -193,6 +193,10 @@ v2 = lambda a, b, resident: it.indexer_fused_select(
     select_groups=tr.select_groups, select=tr.select_candidates, **kw4)
 got = torch.cat([v2(300, 420, True), v2(420, seq, False)], dim=1)
 print("V2 MISMATCHED", sum(a != b for a, b in zip(sets(got), sets(ref4[:, 300:]))), "UNWRITTEN", int((got == -7).sum()))
+# Its rows ascend apart from empty slots, so the sparse backward's key-chunked pass walks them unsorted.
+from genolong.kernels.sparse_mla import key_chunk_rows
+rows = got[0].contiguous()
+print("V2 ASCENDING", key_chunk_rows(rows, torch.tensor([0, seq], dtype=torch.int32))[0] is rows)
 # Every pool scores the same: each level's tie-break must still pick exactly min(topk, visible)
 # distinct visible pools per query (96 queries: 6 super-groups of 4 pools against top 4).
 tied = keys[:, :1].expand_as(keys).contiguous()
@@ -225,4 +229,5 @@ def test_triton_passes_in_the_interpreter_select_like_the_reference():
     assert "V1 MISMATCHED 0" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "V2 MISMATCHED 0 UNWRITTEN 0" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "TIES OK True" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "V2 ASCENDING True" in run.stdout, run.stdout + run.stderr[-3000:]
     assert run.stdout.count("PASS1 resident OK") == 2 and run.stdout.count("PASS1 streamed OK") == 2, run.stdout + run.stderr[-3000:]

@@ -41,6 +41,10 @@ CASES = {
         dict(batch=1, seq=96, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="keychunk", key_chunk=32,
              configs={"fwd": [16, 64, 8, 5], "bwd": [16, 32, 8, 5]}),
     "fp16 pools, 16 heads x 512, atomic": dict(batch=1, seq=96, heads=16, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="atomic"),
+    # Rows as the fused indexer writes them (keys ascending, empty slots anywhere): walked unsorted.
+    "fp32 ascending rows with empty slots, key chunks of 8, 3 query chunks":
+        dict(batch=2, seq=40, heads=4, dim=32, sel="ascending", width=13, dtype="float32", mode="keychunk", key_chunk=8,
+             query_chunks=3),
     "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8),
     # The grouped passes: queries stacked per program (16 // heads of them), one launch per key chunk.
     "fp32 grouped, 3 heads (4 queries a program), 2 batches of 41 (partial groups at each end), key chunks of 16, query chunks of 16":
@@ -99,9 +103,11 @@ def pick_with_trials(kind, q, width, trial):
 
 def selection(c, g):
     batch, seq, kv_len = c["batch"], c["seq"], c.get("kv_len", c["seq"])
-    if c["sel"] == "random":
+    if c["sel"] in ("random", "ascending"):
         idx = torch.randint(-1, kv_len, (batch, seq, c["width"]), generator=g, dtype=torch.int32)
         idx[0, seq // 2] = -1
+        if c["sel"] == "ascending":
+            idx = torch.where(idx < 0, idx, idx.clamp(min=0).sort(dim=-1).values)  # -1 slots stay where they were
         return idx
     iq, keys, w = torch.randn(batch, seq, 2, 16, generator=g), torch.randn(batch, seq // 4, 16, generator=g), torch.rand(batch, seq, 2, generator=g)
     return indexer_topk_reference(iq, keys, w, kpool=4, topk_pools=c["topk_pools"], always_select_tail=True, softmax_scale=0.25)
@@ -212,7 +218,7 @@ def test_key_chunked_backward_memory_follows_the_budget():
     # and a chunk is still tens of thousands of rows (few launches).
     n_chunks = (1 << 20) // sparse_mla.KEY_CHUNK
     rows = sparse_mla.backward_rows_per_chunk(2051, 4, 512, n_chunks, sparse_mla.QUERY_BUDGET_BYTES)
-    per_row = 2051 * 12 + (n_chunks + 1) * 12 + 4 * 512 * 4
+    per_row = 2051 * 20 + (n_chunks + 1) * 12 + 4 * 512 * 4
     assert rows * per_row <= sparse_mla.QUERY_BUDGET_BYTES and rows >= 20000
 
 
@@ -252,3 +258,87 @@ def test_kernels_compile_for_sm90_without_spills(heads):
         assert spills == 0, (name, regs, spills)
     # dkv: one vectorised relaxed atomic per 4 columns, after the sum over the head block.
     assert all("atom.global.gpu.relaxed.add.v4.f32" in kernel.asm["ptx"] for name, kernel in builds.items() if name.startswith("bwd"))
+
+
+_PROBES = INTERPRETER_PATCH + r"""
+import json
+import torch
+from genolong.kernels import sparse_mla
+from genolong.kernels.sparse_mla_triton import Config
+
+g = torch.Generator().manual_seed(3)
+q, kv = torch.randn(1, 24, 2, 16, generator=g), torch.randn(1, 24, 16, generator=g)
+idx = torch.randint(-1, 24, (1, 24, 7), generator=g, dtype=torch.int32)
+dout = torch.randn(q.shape, generator=g)
+out, lse = sparse_mla._forward(q, kv, idx, 0.25)
+found = {}
+for mode in ("keychunk", "atomic"):
+    for op in ("add", "skip", "store"):
+        dq, dkv = sparse_mla._backward(q, kv, idx, out, lse, dout, 0.25, mode, 8, 1 << 30, Config(16, 16, 4, 5), op)
+        found[f"{mode} {op}"] = (dq, dkv)
+add_dq, add_dkv = found["keychunk add"]
+print("RESULT", json.dumps({name: dict(dq=(dq - add_dq).abs().max().item(), dkv_zero=bool((dkv == 0).all()),
+                                       dkv_diff=(dkv - add_dkv).abs().max().item()) for name, (dq, dkv) in found.items()}))
+"""
+
+
+@needs_triton
+def test_backward_probes_keep_dq_and_change_only_dkv():
+    # The benchmark's probes of what the dkv adds cost (bench_sparse_attention.py probe-*-bwd-nodkv /
+    # -store) must run the same dq computation, or their times say nothing about the adds.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _PROBES], env=env, capture_output=True, text=True, timeout=300)
+    lines = [line[7:] for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, run.stdout[-2000:] + run.stderr[-4000:]
+    r = json.loads(lines[0])
+    for name, got in r.items():
+        assert got["dq"] < 1e-5, (name, got)  # fp32: the keychunk and one-pass dq agree
+    assert r["atomic add"]["dkv_diff"] < 1e-5 and not r["keychunk add"]["dkv_zero"]
+    assert r["keychunk skip"]["dkv_zero"] and r["atomic skip"]["dkv_zero"]
+    assert r["keychunk store"]["dkv_diff"] > 1e-3  # stores, not sums: the probe's dkv is wrong
+
+
+def test_a_store_probe_of_the_grouped_backward_is_refused():
+    with pytest.raises(GenolongError, match="not a probe of the grouped backward"):
+        sparse_mla._backward(None, None, None, None, None, None, 0.1, "grouped", 8, 1 << 30, dkv_op="store")
+
+
+def _ranges(walked, bounds, edges):
+    """{(row, chunk): sorted valid keys of the chunk's slot range}, checking each range's keys lie in the chunk."""
+    found = {}
+    for r in range(walked.shape[0]):
+        for c in range(edges.numel() - 1):
+            keys = walked[r, bounds[r, c] : bounds[r, c + 1]]
+            keys = keys[keys >= 0]
+            assert ((keys >= edges[c]) & (keys < edges[c + 1])).all(), (r, c, keys)
+            found[(r, c)] = sorted(keys.tolist())
+    return found
+
+
+@pytest.mark.parametrize("ascending", [True, False])
+def test_key_chunk_rows_cover_every_key_once_in_its_chunk(ascending):
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 50, (6, 19), generator=g, dtype=torch.int32)
+    if ascending:
+        idx = idx.sort(dim=-1).values
+    idx[torch.rand(idx.shape, generator=g) < 0.3] = -1  # empty slots anywhere: first, inside, last
+    idx[2] = -1
+    edges = torch.arange(0, 57, 8, dtype=torch.int32)  # 7 chunks of 8 keys: the last ends past every key
+    walked, bounds = sparse_mla.key_chunk_rows(idx, edges)
+    assert (walked is idx) == ascending  # ascending rows are walked as they are, no sort
+    assert bounds.dtype == torch.int32 and bounds.shape == (6, 8)
+    found = _ranges(walked, bounds, edges)
+    for r in range(6):
+        valid = idx[r][idx[r] >= 0].tolist()
+        assert sorted(k for c in range(7) for k in found[(r, c)]) == sorted(valid)  # each key in exactly one range
+
+
+def test_key_chunk_rows_sort_when_one_row_does_not_ascend():
+    idx = torch.tensor([[0, -1, 3, 9], [5, 2, -1, 7]], dtype=torch.int32)
+    edges = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    walked, bounds = sparse_mla.key_chunk_rows(idx, edges)
+    assert walked.tolist() == [[-1, 0, 3, 9], [-1, 2, 5, 7]]
+    assert bounds.tolist() == [[1, 3, 3, 4], [1, 2, 4, 4]]  # chunks [0, 4), [4, 8), [8, 12)
+    # The old path on request (the measurement's arm): ascending rows sorted too.
+    walked, bounds = sparse_mla.key_chunk_rows(idx[:1], edges, always_sort=True)
+    assert walked is not idx and walked.tolist() == [[-1, 0, 3, 9]] and bounds.tolist() == [[1, 3, 3, 4]]

@@ -1,0 +1,35 @@
+"""Option parsing of the GPU benchmarks (they run on the H200 only; their arguments are checked here):
+bench_train's environment arms and bench_sparse_attention's backward probe names."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+
+def test_env_arms_split_into_settings_per_arm():
+    from bench_train import parse_env_arms
+
+    assert parse_env_arms("") == [{}]
+    assert parse_env_arms("GENOLONG_MOE_SWIGLU=eager;GENOLONG_MOE_SWIGLU=triton") == [
+        {"GENOLONG_MOE_SWIGLU": "eager"}, {"GENOLONG_MOE_SWIGLU": "triton"}]
+    assert parse_env_arms("A=1, B=x=y;") == [{"A": "1", "B": "x=y"}]
+    with pytest.raises(SystemExit, match="'B' is not NAME=value"):
+        parse_env_arms("A=1,B")
+
+
+def test_backward_probe_names_parse_to_mode_op_and_key_chunk():
+    pytest.importorskip("triton")
+    from bench_sparse_attention import PRESETS, is_impl, parse_probe
+
+    from genolong.kernels.sparse_mla import KEY_CHUNK
+
+    assert parse_probe("probe-keychunk-bwd") == ("keychunk", "add", KEY_CHUNK)
+    assert parse_probe("probe-atomic-bwd-nodkv") == ("atomic", "skip", KEY_CHUNK)
+    assert parse_probe("probe-keychunk-bwd-store-kc4096") == ("keychunk", "store", 4096)
+    assert all(is_impl(impl) for _, _, impl in PRESETS["bwd-probe"]["cells"])
+    for bad in ("probe-keychunk-fwd", "probe-keychunk-bwd-kc0", "probe-keychunk-bwd-fast"):
+        with pytest.raises(SystemExit, match=bad):
+            parse_probe(bad)
