@@ -304,7 +304,7 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
         return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
 
     step = max(ROW_ALIGN, _aligned(backward_rows_per_chunk(width, heads, dim, n_chunks, budget_bytes)))
-    always_sort = os.environ.get(ENV_SORT, "auto") == "always"
+    always_sort = _sort_setting() == "always"
     edges = torch.arange(n_chunks + 1, device=q.device, dtype=torch.int32) * key_chunk
 
     def chunk(r0, r1):
@@ -399,6 +399,13 @@ def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mo
     out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), float(scale), dkv_mode,
                                 int(key_chunk), int(budget_bytes), dict(configs or {}), fwd_mode, int(fwd_key_chunk))
     return (out, lse) if return_lse else out
+
+
+def _sort_setting() -> str:
+    value = os.environ.get(ENV_SORT, "auto")
+    if value not in ("auto", "always"):
+        raise GenolongError(f"{ENV_SORT}={value!r} is not a setting; set it to auto (sort rows whose keys do not ascend) or always, or unset it")
+    return value
 
 
 def _key_chunk() -> int:

@@ -342,3 +342,15 @@ def test_key_chunk_rows_sort_when_one_row_does_not_ascend():
     # The old path on request (the measurement's arm): ascending rows sorted too.
     walked, bounds = sparse_mla.key_chunk_rows(idx[:1], edges, always_sort=True)
     assert walked is not idx and walked.tolist() == [[-1, 0, 3, 9]] and bounds.tolist() == [[1, 3, 3, 4]]
+
+
+def test_bad_sort_and_key_chunk_settings_are_one_line_errors(monkeypatch):
+    monkeypatch.setenv(sparse_mla.ENV_SORT, "never")
+    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_SORT='never' is not a setting"):
+        sparse_mla._sort_setting()
+    monkeypatch.setenv(sparse_mla.ENV_KEY_CHUNK, "0")
+    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_KEY_CHUNK='0' is not a positive number of keys"):
+        sparse_mla._key_chunk()
+    monkeypatch.setenv(sparse_mla.ENV_KEY_CHUNK, "4096")
+    monkeypatch.delenv(sparse_mla.ENV_SORT)
+    assert sparse_mla._key_chunk() == 4096 and sparse_mla._sort_setting() == "auto"
