@@ -50,6 +50,18 @@ def parse_env_arms(text: str) -> list[dict[str, str]]:
     return arms or [{}]
 
 
+def use_env_arm(arm: dict[str, str], arms: list[dict[str, str]], base: dict[str, str]) -> None:
+    """Set `arm`'s settings; every other name any arm sets goes back to `base` (the environment the
+    run started with), so that no setting of one arm leaks into the next."""
+    for name in {n for a in arms for n in a}:
+        if name in arm:
+            os.environ[name] = arm[name]
+        elif name in base:
+            os.environ[name] = base[name]
+        else:
+            os.environ.pop(name, None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=None)
@@ -121,11 +133,12 @@ def main(argv=None) -> int:
 
     # 1. throughput and memory on real DNA, beside the plan
     arms = parse_env_arms(args.env_arms)
+    base_env = dict(os.environ)
     for n, keep, arm in [(parse_length(x), k, a) for x in args.lengths.split(",") for k in keeps for a in arms]:
         if left() < 30:
             results["not_run"].append(f"train {format_length(n)} keep_sparse={keep} {arm}: time budget")
             continue
-        os.environ.update(arm)
+        use_env_arm(arm, arms, base_env)
         opts = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keep)
         bench.use(opts)
         k = 0

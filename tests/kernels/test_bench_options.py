@@ -20,6 +20,24 @@ def test_env_arms_split_into_settings_per_arm():
         parse_env_arms("A=1,B")
 
 
+def test_an_env_arm_does_not_inherit_the_settings_of_the_arm_before(monkeypatch):
+    # The twelfth session's arms 'SWIGLU=eager,SORT=always;SWIGLU=triton' ran the second arm with
+    # SORT=always still set (os.environ.update): each arm must see only its own settings.
+    import os
+
+    from bench_train import use_env_arm
+
+    monkeypatch.setenv("GL_TEST_KEEP", "base")
+    monkeypatch.delenv("GL_TEST_A", raising=False)
+    monkeypatch.delenv("GL_TEST_B", raising=False)
+    arms = [{"GL_TEST_A": "1", "GL_TEST_B": "x", "GL_TEST_KEEP": "arm"}, {"GL_TEST_A": "2"}]
+    base = dict(os.environ)
+    use_env_arm(arms[0], arms, base)
+    assert (os.environ["GL_TEST_A"], os.environ["GL_TEST_B"], os.environ["GL_TEST_KEEP"]) == ("1", "x", "arm")
+    use_env_arm(arms[1], arms, base)
+    assert os.environ["GL_TEST_A"] == "2" and "GL_TEST_B" not in os.environ and os.environ["GL_TEST_KEEP"] == "base"
+
+
 def test_backward_probe_names_parse_to_mode_op_and_key_chunk():
     pytest.importorskip("triton")
     from bench_sparse_attention import PRESETS, is_impl, parse_probe
