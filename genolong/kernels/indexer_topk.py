@@ -38,6 +38,12 @@ from genolong.kernels import _common
 from genolong.model.ops import KernelUnsupported
 
 GROUP = 8
+# Pools per group of the v2 path (fused_select). The group maxima are exact bounds for any G, so
+# G changes the cost, never the selection: fewer pools per group halve pass 2's gathered
+# candidates (G * topk per query) for twice the group maxima. Measured at 512k on the H200
+# (bench_indexer.py, 2026-12-02): G=4 244.4 ms, G=8 358.6 ms. GENOLONG_INDEXER_V2_GROUP overrides it.
+V2_GROUP = 4
+ENV_V2_GROUP = "GENOLONG_INDEXER_V2_GROUP"
 BUDGET_BYTES = 2 << 30
 MIN_CHUNK = 64
 
@@ -262,15 +268,26 @@ def _check_v2_proven(triton_mod, index_q) -> None:
                                 "(GENOLONG_INDEXER_V2_STREAMED=1 forces v2)")
 
 
+def v2_group() -> int:
+    """Pools per group of the v2 path: V2_GROUP, or GENOLONG_INDEXER_V2_GROUP (a power of two)."""
+    from genolong.errors import GenolongError
+
+    text = os.environ.get(ENV_V2_GROUP, str(V2_GROUP))
+    if not text.isdigit() or int(text) < 1 or int(text) & (int(text) - 1):
+        raise GenolongError(f"{ENV_V2_GROUP}={text!r} is not a power of two; set it to e.g. {V2_GROUP} or unset it")
+    return int(text)
+
+
 def dsa_indexer_topk_fused_select(index_q, pool_keys, head_weights, *, kpool, topk_pools, always_select_tail, softmax_scale,
                                   query_offset=0):
     """The "dsa_indexer_topk" op through the v2 Triton passes (selection inside pass 2)."""
     _check(index_q, pool_keys, head_weights)
     triton_mod = _triton()
     triton_mod.check_supported(index_q, pool_keys)
-    triton_mod.check_supported_v2(kpool, topk_pools, GROUP, pool_keys.shape[1])
+    group = v2_group()
+    triton_mod.check_supported_v2(kpool, topk_pools, group, pool_keys.shape[1])
     _check_v2_proven(triton_mod, index_q)
-    return indexer_fused_select(index_q, pool_keys, head_weights, kpool=kpool, topk_pools=topk_pools,
+    return indexer_fused_select(index_q, pool_keys, head_weights, kpool=kpool, topk_pools=topk_pools, group=group,
                                 always_select_tail=always_select_tail, softmax_scale=softmax_scale, query_offset=query_offset,
                                 group_max=triton_mod.group_max_v2, select_groups=triton_mod.select_groups,
                                 select=triton_mod.select_candidates)

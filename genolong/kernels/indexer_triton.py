@@ -476,12 +476,15 @@ def aot_compile_group_max_v2(heads: int, dim: int, kpool: int, group: int, tile:
     return aot.build(_pass1_v2_kernel(heads, dim, bm, None), args, const, num_warps=warps, arch=arch)
 
 
-def aot_compile_v2(heads: int, dim: int, kpool: int, group: int, topk_pools: int = 512, arch: int = 90) -> dict:
+def aot_compile_v2(heads: int, dim: int, kpool: int, group: int, topk_pools: int = 512, seq: int = 1 << 20,
+                   arch: int = 90) -> dict:
     """The three v2 kernels with their default launch configs, built for a GPU architecture
-    without a GPU and specialised as the JIT specialises their launches: {name: kernel}."""
+    without a GPU and specialised as the JIT specialises their launches (the group selection for
+    the super-groups of `seq` tokens): {name: kernel}."""
     argsg = dict(gmax_ptr="*fp32", sg_ptr="*fp32", scratch_ptr="*i32", gidx_ptr="*i64", gval_ptr="*fp32", n_groups="i32",
                  n_super="i32", stride_gm="i32", stride_sg="i32", stride_sc=topk_pools, stride_gt=topk_pools)
-    constg = dict(SG=SUPER, NSG=4096, TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools))  # 1M tokens
+    n_super = -(-seq // kpool // (group * SUPER))
+    constg = dict(SG=SUPER, NSG=max(16, triton.next_power_of_2(n_super)), TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools))
     n_cand = topk_pools * group
     args2 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", gidx_ptr="*i64", gval_ptr="*fp32", scratch_ptr="*fp32",
                  out_ptr="*i32", t0="i32", n_pools="i32", n_cand=n_cand, stride_qt=heads * dim, stride_qh=dim, stride_kp=dim,

@@ -50,15 +50,23 @@ class Config:
     num_warps: int
     num_stages: int
     query_group: int = 1
+    # Backward only: the slots as the products' rows (_sparse_mla_bwd_row_slots). Measured slower
+    # than the head-major pass (H200, 2026-12-02): a probe configuration, never a candidate.
+    slot_major: bool = False
 
     def label(self) -> str:
         group = f"/QG{self.query_group}" if self.query_group > 1 else ""
-        return f"HB{self.head_block}{group}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+        return f"HB{self.head_block}{group}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}" + ("/T" if self.slot_major else "")
 
 
 def head_block(heads: int, limit: int = 64) -> int:
     """Heads per program: all of them (padded to a power of two, at least 16) up to `limit`."""
     return min(max(MIN_HEAD_BLOCK, triton.next_power_of_2(heads)), limit)
+
+
+def slot_columns(dim: int) -> int:
+    """dkv columns per product of the slot-major backward: 128 ([BN, 128] fp32 in registers)."""
+    return min(dim, 128)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -165,11 +173,71 @@ def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=live[:, None])
 
 
+@triton.jit
+def _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
+             row0, seq_q, seq_kv, width, scale, scale_log2, H,
+             HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+             PREC: tl.constexpr, DKV_OP: tl.constexpr):
+    """`_sparse_mla_bwd_row` with every product transposed: the BN slots (64 or more) are the rows
+    and the few heads the columns, so that sm_90 runs them as warp-group MMAs (wgmma needs 64
+    rows; the head-major form has HB = 16 rows, of which 4 are heads at glm53-mini, and runs as
+    mma.sync). q and dO are held as [D, HB]; dq accumulates as dq^T; dkv is built DC columns at a
+    time (a [BN, D] fp32 block would not fit in registers) and added as it is produced.
+
+    Measured on the H200 (bench_sparse_attention.py probes, 128k x 4 heads, 2026-12-02): 298 ms
+    at 4 warps, 515 at 8, against 277.5 for the head-major pass; without dkv 180 vs 164 ms. The
+    builds use all 255 registers and spill: the pass is bound by its gathers and registers, not
+    by the tensor-core instruction, so wgmma does not pay here."""
+    heads = hb * HB + tl.arange(0, HB)
+    live = heads < H
+    d = tl.arange(0, D)
+    batch = (row0 + row) // seq_q
+    kv_rows = kv_ptr + batch * seq_kv * D
+    dkv_rows = dkv_ptr + batch * seq_kv * D
+    offs_t = (row * H + heads[None, :]) * D + d[:, None]
+    q_t = tl.load(q_ptr + offs_t, mask=live[None, :], other=0.0)
+    do_t = tl.load(do_ptr + offs_t, mask=live[None, :], other=0.0)
+    lse = tl.load(lse_ptr + row * H + heads, mask=live, other=0.0) * _LOG2E
+    delta = tl.load(delta_ptr + row * H + heads, mask=live, other=0.0)
+    dq_t = tl.zeros([D, HB], tl.float32)
+    for start in range(lo, hi, BN):
+        slot = start + tl.arange(0, BN)
+        j = tl.load(idx_ptr + row * width + slot, mask=slot < hi, other=-1)
+        valid = (j >= 0) & (j < seq_kv)
+        k = tl.load(kv_rows + j.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(k, q_t, input_precision=PREC)  # [BN, HB]
+        p = tl.where(valid[:, None] & live[None, :], tl.exp2(s * scale_log2 - lse[None, :]), 0.0)
+        dp = tl.dot(k, do_t, input_precision=PREC)
+        ds = p * (dp - delta[None, :])
+        dq_t += tl.dot(tl.trans(k), ds.to(k.dtype), input_precision=PREC)
+        if DKV_OP != 0:
+            ds_scaled = (ds * scale).to(k.dtype)
+            p_low = p.to(k.dtype)
+            for c in range(0, D, DC):
+                dc = c + tl.arange(0, DC)
+                offs_c = (row * H + heads[:, None]) * D + dc[None, :]
+                q_c = tl.load(q_ptr + offs_c, mask=live[:, None], other=0.0)
+                do_c = tl.load(do_ptr + offs_c, mask=live[:, None], other=0.0)
+                dkv = tl.dot(ds_scaled, q_c, input_precision=PREC)
+                dkv += tl.dot(p_low, do_c, input_precision=PREC)
+                dst = dkv_rows + j.to(tl.int64)[:, None] * D + dc[None, :]
+                if DKV_OP == 1:
+                    tl.atomic_add(dst, dkv, mask=valid[:, None], sem="relaxed")
+                else:
+                    tl.store(dst, dkv, mask=valid[:, None])
+    dq_t = dq_t * scale
+    if DQ_ATOMIC:
+        tl.atomic_add(dq_ptr + offs_t, dq_t, mask=live[None, :], sem="relaxed")
+    else:
+        tl.store(dq_ptr + offs_t, dq_t.to(dq_ptr.dtype.element_ty), mask=live[None, :])
+
+
 @triton.jit(do_not_specialize=["row0", "n_rows", "seq_q", "seq_kv", "width", "n_bounds", "H"])
 def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, bounds_ptr,
                 row0, n_rows, seq_q, seq_kv, width, n_bounds, scale, scale_log2, H,
                 HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
-                RANGED: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr, DKV_OP: tl.constexpr):
+                RANGED: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr, DKV_OP: tl.constexpr,
+                SLOTS: tl.constexpr, DC: tl.constexpr):
     # Per-row tensors (q, idx, dO, lse, Delta, dq) start at this launch's first row; row0 + row is
     # the row in the whole [B*T] sequence (for the batch of its keys).
     pid = tl.program_id(0)
@@ -192,8 +260,15 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
                     lo = tl.load(bounds_ptr + row * n_bounds + chunk)
                     hi = tl.load(bounds_ptr + row * n_bounds + chunk + 1)
                     if hi > lo:
-                        _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
-                                 row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP)
+                        if SLOTS:
+                            _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
+                                     row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, DC, True, PREC, DKV_OP)
+                        else:
+                            _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
+                                     row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP)
+    elif SLOTS:
+        _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
+                 pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, DC, False, PREC, DKV_OP)
     else:
         _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
                  pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC, DKV_OP)
@@ -241,6 +316,7 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
                          row0, rows, seq_q, seq_kv, idx.shape[1], n_bounds, scale, scale * LOG2E, heads,
                          HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
                          RANGED=bounds is not None, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS[dkv_op],
+                         SLOTS=config.slot_major, DC=slot_columns(dim),
                          PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -256,7 +332,7 @@ def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool
                     seq_q="i32", seq_kv="i32", width="i32", scale_log2="fp32", H="i32")
     else:
         fn = _sparse_mla_bwd_kernel
-        meta.update(RANGED=ranged, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS["add"])
+        meta.update(RANGED=ranged, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS["add"], SLOTS=config.slot_major, DC=slot_columns(dim))
         args = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32",
                     dq_ptr="*fp32" if ranged else "*bf16", dkv_ptr="*fp32", bounds_ptr="*i32", row0="i32", n_rows="i32",
                     seq_q="i32", seq_kv="i32", width="i32", n_bounds="i32", scale="fp32", scale_log2="fp32", H="i32")

@@ -76,8 +76,10 @@ def finetune(
     dist_timeout_s: Annotated[float, typer.Option(help="Seconds a collective waits for a missing rank before the run fails.")] = 1800.0,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
     compile: Annotated[
-        bool, typer.Option("--compile/--no-compile", help="torch.compile the small ops: norms, router, SwiGLU (and mHC, except on the GPU, where its fused kernels run).")
-    ] = False,
+        bool | None,
+        typer.Option("--compile/--no-compile", help="torch.compile the small ops: norms, router, SwiGLU (and mHC, except on the GPU, where its "
+                                                    "fused kernels run). Default: on with the fused kernels on CUDA, off elsewhere.", show_default=False),
+    ] = None,
     recompute: Annotated[bool, typer.Option("--recompute/--no-recompute", help="Full-layer activation recompute (off also turns offload off).", rich_help_panel=_MEM)] = True,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Layer inputs to pinned host memory.", rich_help_panel=_MEM)] = True,
     offload_layers: Annotated[

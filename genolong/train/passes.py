@@ -75,12 +75,12 @@ def parallelize(model: torch.nn.Module, options, pmesh=None, *, kernels: str = o
             _parallel_pass("context", "apply_context_parallel", f"cp={layout.cp}")(model, pmesh)
     memory = apply_memory_optimizations(model, options.memory)
     compiled = None
-    if options.compile:
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if compile_pass_on(options.compile, on_gpu, kernels):
         from genolong.train.compile import apply_compile
 
         # On the GPU the hot-op policy runs mHC as its fused Triton passes (7-9x the eager mHC);
         # compiling it would replace them, so the pass compiles the norms, router and MLP only.
-        on_gpu = next(model.parameters()).device.type == "cuda"
         compiled = apply_compile(model, mhc=not on_gpu or kernels == ops.REFERENCE)
     grads = None
     if pmesh is not None:
@@ -88,6 +88,15 @@ def parallelize(model: torch.nn.Module, options, pmesh=None, *, kernels: str = o
 
         grads = GradientSync(model, pmesh)
     return Parallelized(model, policy, memory, compiled, grads, pmesh)
+
+
+def compile_pass_on(setting: bool | None, on_gpu: bool, kernels: str) -> bool:
+    """Whether the compile pass runs: `--compile` / `--no-compile` as given; unset, on the GPU with
+    the fused kernels (where it was measured faster), off elsewhere (the CPU's compilation takes
+    minutes of gcc for a smaller gain; the reference kernels are for checking, not speed)."""
+    if setting is not None:
+        return setting
+    return on_gpu and kernels != ops.REFERENCE
 
 
 def _parallel_pass(module: str, function: str, what: str):

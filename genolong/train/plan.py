@@ -61,7 +61,8 @@ FP32 = 4
 # Kernel budgets (genolong/kernels): the indexer's and the DSA kernel's query chunks are sized
 # to these; fla's KDA chunk is 64 tokens.
 INDEXER_BUDGET = 2 << 30
-INDEXER_GROUP = 8  # pools per group in the fused indexer's first pass
+INDEXER_GROUP = 8  # pools per group in the fused indexer's first pass (v1)
+INDEXER_V2_GROUP = 4  # and in v2's
 DSA_ATTENTION_BUDGET = 2 << 30
 MOE_OP_BUDGET = 1 << 30
 KDA_CHUNK = 64
@@ -548,12 +549,14 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
     if config.dsa_layers:
         ix = config.dsa.indexer
         pools = t.whole // ix.kpool
-        # The fused two-pass path's per-query bytes (genolong.kernels.indexer_topk.indexer_two_pass:
-        # group maxima and their top-k copy, candidate scores, top-k values/indices, outputs).
-        # Each rank scores only its own queries (Ts), against the pools of the whole sequence,
-        # whose keys it gathers from the other ranks.
-        groups = -(-pools // INDEXER_GROUP)
-        per_query = groups * 8 + ix.topk_pools * (INDEXER_GROUP * 4 + 24) + ix.width * 8
+        # The fused paths' per-query bytes, the larger of v1's (genolong.kernels.indexer_topk.indexer_two_pass:
+        # group maxima and their top-k copy, candidate scores, top-k values/indices, outputs) and
+        # v2's (indexer_fused_select: twice the group maxima at its smaller groups, the candidate
+        # scratch); which one runs depends on the head count. Each rank scores only its own
+        # queries (Ts), against the pools of the whole sequence, whose keys it gathers from the other ranks.
+        v1 = -(-pools // INDEXER_GROUP) * 8 + ix.topk_pools * (INDEXER_GROUP * 4 + 24) + ix.width * 8
+        v2 = -(-pools // INDEXER_V2_GROUP) * 8 + ix.topk_pools * (INDEXER_V2_GROUP * 4 + 16)
+        per_query = max(v1, v2)
         gathered_keys = (t.whole - t.seq) // ix.kpool * ix.head_dim * a
         out["indexer query chunk"] = min(t.seq * per_query, INDEXER_BUDGET) + gathered_keys
         # The padded 576-wide q / out / dq copies of one query chunk (this rank's heads), plus the

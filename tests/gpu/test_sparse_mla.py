@@ -123,3 +123,27 @@ def test_one_million_tokens_64_bit_offsets(modes):
     assert _rel(a.grad[:, -tail:], qa.grad) <= 1e-2
     assert a.grad[:, :-tail].abs().max().item() == 0.0
     assert _rel(b.grad, kva.grad) <= 1e-2
+
+
+@pytest.mark.parametrize("config", [(16, 64, 4, 1), (16, 64, 8, 2), (32, 64, 8, 1)], ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("heads", [4, 16])
+def test_slot_major_backward_matches_the_reference(heads, config):
+    # Config.slot_major: the backward's products with the slots as rows (wgmma on sm_90),
+    # through the key-chunked pass (several chunks) as a training step runs it.
+    from genolong.kernels.sparse_mla_triton import Config
+
+    seq = 4096
+    idx = _indexer_selection(seq)
+    q = torch.randn(1, seq, heads, 512, device=DEV).bfloat16()
+    kv = torch.randn(1, seq, 512, device=DEV).bfloat16()
+    dout = torch.randn(1, seq, heads, 512, device=DEV).bfloat16()
+    grads = {}
+    for label, dtype, fn in (("ref", torch.float32, lambda a, b: sparse_attention_reference(a, b, idx, scale=SCALE)),
+                             ("slots", torch.bfloat16, lambda a, b: sparse_mla.sparse_mla(
+                                 a, b, idx, scale=SCALE, key_chunk=1024, configs={"bwd": Config(*config, slot_major=True)}))):
+        a, b = q.to(dtype).clone().requires_grad_(), kv.to(dtype).clone().requires_grad_()
+        fn(a, b).backward(dout.to(dtype))
+        grads[label] = (a.grad, b.grad)
+    errors = {label: _rel(g, r) for label, g, r in zip(("dq", "dkv"), grads["slots"], grads["ref"])}
+    print(f"slot-major heads={heads} {config}: {errors}")
+    assert all(e <= 1e-2 for e in errors.values()), errors

@@ -34,10 +34,15 @@ def test_triton_indexer_passes_compile_for_sm90(heads, dim):
     assert "wgmma" in group_max  # the scoring product runs on Hopper's warpgroup tensor cores
     assert ".local" not in group_max  # no register spills to local memory
     assert "mma" in kernels["candidate_scores"].asm["ptx"]
-    v2 = indexer_triton.aot_compile_v2(heads, dim, kpool=4, group=8)
+    from genolong.kernels.indexer_topk import V2_GROUP
+
+    v2 = indexer_triton.aot_compile_v2(heads, dim, kpool=4, group=V2_GROUP)  # the group selection at 1M tokens
     group_max = v2["group_max_v2"].asm["ptx"]
     assert "wgmma" in group_max and "cp.async" in group_max  # tensor cores, loads pipelined
     assert aot.ptxas_usage(v2["group_max_v2"])[1] == 0  # no spills
+    if heads == 4:
+        # G * 512 candidate scores held per query: 2,048 at G = 4 fit in registers (at G = 8 ptxas spills).
+        assert aot.ptxas_usage(v2["select_candidates"])[1] == 0
     for name, kernel in {**kernels, **v2}.items():
         assert ".local" not in kernel.asm["ptx"], name
         assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, \
@@ -113,3 +118,15 @@ def test_tilelang_sparse_mla_compiles_for_sm90(heads):
     for name, src in sources.items():
         assert "__global__" in src, name
         assert "(int64_t)seq_len" in src, f"{name}: offsets are not 64-bit; 1M-token inputs would overflow"
+
+
+@needs_triton
+def test_slot_major_sparse_backward_builds_as_warp_group_mmas_for_sm90():
+    # The probe configuration (Config.slot_major): 64 slots as the rows of every product, which
+    # sm_90 runs as wgmma; the head-major default (16 padded head rows) runs as mma.sync.
+    from genolong.kernels import aot, sparse_mla_triton as k
+
+    slots = k.aot_compile("bwd", 4, 512, k.Config(16, 64, 4, 1, slot_major=True), ranged=True)
+    heads = k.aot_compile("bwd", 4, 512, k.Config(16, 16, 4, 5), ranged=True)
+    assert slots.asm["ttgir"].count("warp_group_dot ") == 5 and "warp_group_dot " not in heads.asm["ttgir"]
+    assert slots.metadata.shared <= aot.SM90_SHARED_BYTES

@@ -46,6 +46,16 @@ CASES = {
         dict(batch=2, seq=40, heads=4, dim=32, sel="ascending", width=13, dtype="float32", mode="keychunk", key_chunk=8,
              query_chunks=3),
     "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8),
+    # The slot-major backward (Config.slot_major: slots as the products' rows, dkv 128 columns at a time).
+    "fp32 slot-major backward, key chunks of 16, kv longer than q (CP), 3 query chunks":
+        dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="keychunk",
+             key_chunk=16, query_chunks=3, configs={"bwd": [16, 64, 4, 1, 1, True]}),
+    "fp32 slot-major backward, atomic, 80 heads (blocks 32+32+16)":
+        dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11, dtype="float32", mode="atomic",
+             configs={"bwd": [32, 64, 8, 1, 1, True]}),
+    "fp16 pools, GLM width 2051, 4 heads x 512, slot-major backward (4 dkv column blocks), key chunks of 8":
+        dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8,
+             configs={"bwd": [16, 64, 4, 2, 1, True]}),
     # The grouped passes: queries stacked per program (16 // heads of them), one launch per key chunk.
     "fp32 grouped, 3 heads (4 queries a program), 2 batches of 41 (partial groups at each end), key chunks of 16, query chunks of 16":
         dict(batch=2, seq=41, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="grouped", fwd_mode="grouped",
@@ -354,3 +364,4 @@ def test_bad_sort_and_key_chunk_settings_are_one_line_errors(monkeypatch):
     monkeypatch.setenv(sparse_mla.ENV_KEY_CHUNK, "4096")
     monkeypatch.delenv(sparse_mla.ENV_SORT)
     assert sparse_mla._key_chunk() == 4096 and sparse_mla._sort_setting() == "auto"
+

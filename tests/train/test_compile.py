@@ -121,3 +121,31 @@ def test_finetune_compile_flag_reaches_the_run_and_records_what_it_compiled(data
     setup = json.loads((out / "compile.json").read_text())
     assert setup["modules"]["HyperConnection.forward"] == 8 and setup["sinkhorn"] == "inductor"
     assert setup["graphs_compiled"] > 0 and setup["graph_breaks"] == 0
+
+
+def test_the_compile_pass_is_on_by_default_only_with_the_fused_kernels_on_the_gpu():
+    from genolong.model import ops
+    from genolong.train.options import TrainOptions
+    from genolong.train.passes import compile_pass_on
+
+    assert TrainOptions().compile is None  # unset: decided where the run runs
+    assert compile_pass_on(None, True, "fused") and not compile_pass_on(None, True, ops.REFERENCE)
+    assert not compile_pass_on(None, False, "fused") and not compile_pass_on(None, False, ops.REFERENCE)
+    # Given on the command line, either way wins.
+    assert compile_pass_on(True, False, ops.REFERENCE) and not compile_pass_on(False, True, "fused")
+
+
+def test_a_cpu_finetune_without_the_flag_does_not_compile(data, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from genolong.cli import app
+
+    out = tmp_path / "run"
+    args = ["finetune", "--data", str(data), "--out", str(out), "--steps", "1", "--preset", "tiny", "--seq", "64",
+            "--device", "cpu", "--no-progress", "--warmup", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "options.json").read_text())["compile"] is None
+    assert not (out / "compile.json").exists()

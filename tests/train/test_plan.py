@@ -255,6 +255,7 @@ def test_plan_kernel_constants_are_the_kernels_own():
     from genolong.train import plan
 
     assert plan.INDEXER_GROUP == indexer_topk.GROUP
+    assert plan.INDEXER_V2_GROUP == indexer_topk.V2_GROUP
     assert plan.INDEXER_BUDGET == indexer_topk.BUDGET_BYTES
 
 
