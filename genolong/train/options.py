@@ -147,7 +147,7 @@ class TrainOptions:
     progress: bool = True
     tensorboard: bool = True
     # torch.compile the small ops (norms, router, SwiGLU; mHC off the GPU; genolong.train.compile).
-    # None: on where the fused kernels run on CUDA (H200, 2026-12-02: -9.7% a step at 128k, -7.6%
+    # None: on where the fused kernels run on CUDA (H200, 2026-12-02: -9.7% a step at 128k, -7.1%
     # at 512k, lower peak), off elsewhere (on the CPU it costs minutes of compilation for little).
     compile: bool | None = None
     memory: MemoryOptions = field(default_factory=MemoryOptions)
