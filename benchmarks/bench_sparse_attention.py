@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -60,29 +61,31 @@ LATENT = 512
 IMPLS = ("triton-keychunk", "triton-atomic", "triton-grouped", "megatron", "sdpa")
 FWD_IMPLS = ("triton-fwd", "triton-grouped-fwd", "megatron-fwd")
 PROBES = ("probe-grouped-bwd", "probe-grouped-bwd-nodkv", "probe-keychunk-bwd", "probe-pack")
-# v1's backward probes, any of: probe-{keychunk,atomic}-bwd[-nodkv|-store][-kc<keys per chunk>][-cfg<HB>x<BN>x<warps>x<stages>[t]]
+# v1's backward probes, any of: probe-{keychunk,atomic}-bwd[-nodkv|-store][-nopack][-kc<keys per chunk>][-cfg<HB>x<BN>x<warps>x<stages>[t]]
 # (-nodkv: no dkv products or adds; -store: plain stores instead of the adds; wrong dkv both;
-# -cfg: another pinned launch config, "t" its slot-major form).
+# -nopack: q and dO kept apart (GENOLONG_SPARSE_MLA_PACK=off); -cfg: another pinned launch config, "t" its slot-major form).
 PROBE_CONFIG = sparse_mla_triton.Config(16, 16, 4, 5)
 
 
-def parse_probe(impl: str) -> tuple[str, str, int, sparse_mla_triton.Config]:
-    """(dkv mode, dkv op, key chunk, launch config) of a backward probe's name; SystemExit for a malformed one."""
+def parse_probe(impl: str) -> tuple[str, str, int, sparse_mla_triton.Config, bool]:
+    """(dkv mode, dkv op, key chunk, launch config, pack) of a backward probe's name; SystemExit for a malformed one."""
     parts = impl.split("-")
     if len(parts) < 3 or parts[0] != "probe" or parts[1] not in ("keychunk", "atomic", "grouped") or parts[2] != "bwd":
         sys.exit(f"{impl}: not a backward probe (probe-{{keychunk,atomic,grouped}}-bwd[-nodkv|-store][-kcN][-cfgHBxBNxWxS[t]])")
-    dkv_op, key_chunk, config = "add", sparse_mla.KEY_CHUNK, PROBE_CONFIG
+    dkv_op, key_chunk, config, pack = "add", sparse_mla.KEY_CHUNK, PROBE_CONFIG, True
     for extra in parts[3:]:
         numbers = extra[3:].removesuffix("t").split("x")
         if extra in ("nodkv", "store"):
             dkv_op = "skip" if extra == "nodkv" else "store"
+        elif extra == "nopack":
+            pack = False
         elif extra.startswith("kc") and extra[2:].isdigit() and int(extra[2:]) > 0:
             key_chunk = int(extra[2:])
         elif extra.startswith("cfg") and len(numbers) == 4 and all(n.isdigit() and int(n) > 0 for n in numbers):
             config = sparse_mla_triton.Config(*map(int, numbers), slot_major=extra.endswith("t"))
         else:
-            sys.exit(f"{impl}: unknown probe option {extra!r} (nodkv, store, kc<keys>, cfg<HB>x<BN>x<warps>x<stages>[t])")
-    return parts[1], dkv_op, key_chunk, config
+            sys.exit(f"{impl}: unknown probe option {extra!r} (nodkv, store, nopack, kc<keys>, cfg<HB>x<BN>x<warps>x<stages>[t])")
+    return parts[1], dkv_op, key_chunk, config, pack
 
 
 def is_impl(impl: str) -> bool:
@@ -224,12 +227,19 @@ def make_step(impl: str, seq: int, heads: int, idx: torch.Tensor, scale: float):
     if impl.startswith("probe-"):
         with torch.no_grad():
             out, lse = sparse_mla._forward(q.detach(), kv.detach(), idx, scale)
-        mode, dkv_op, key_chunk, config = parse_probe(impl)
+        mode, dkv_op, key_chunk, config, pack = parse_probe(impl)
         # v1's probes pin one launch config (by default the one the H200 chose for the key-chunked
         # pass, 2026-12-01), so that they time the same build and leave no choice behind for the cells.
         config = None if mode == "grouped" else config
-        return lambda: sparse_mla._backward(q.detach(), kv.detach(), idx, out, lse, dout, scale, mode, key_chunk,
-                                            sparse_mla.QUERY_BUDGET_BYTES, config, dkv_op)
+
+        def probe():
+            os.environ[sparse_mla.ENV_PACK] = "on" if pack else "off"
+            try:
+                sparse_mla._backward(q.detach(), kv.detach(), idx, out, lse, dout, scale, mode, key_chunk,
+                                     sparse_mla.QUERY_BUDGET_BYTES, config, dkv_op)
+            finally:
+                os.environ.pop(sparse_mla.ENV_PACK)
+        return probe
     fn = sparse_fn(impl, scale)
     if impl.endswith("-fwd"):
         def forward_only():

@@ -45,6 +45,9 @@ ENV_SWITCH = "GENOLONG_SPARSE_MLA"
 ENV_DKV_MODE = "GENOLONG_SPARSE_MLA_DKV"
 ENV_FWD_MODE = "GENOLONG_SPARSE_MLA_FWD"
 ENV_SORT = "GENOLONG_SPARSE_MLA_SORT"  # "always": sort every row for the key-chunked pass (the old path)
+# "off": v1's backward keeps q and dO apart (5 products a slot block) even where it could stack them
+# into one operand (3 products: sparse_mla_triton._sparse_mla_bwd_row_packed); "on" (default): stack.
+ENV_PACK = "GENOLONG_SPARSE_MLA_PACK"
 DKV_MODES = ("atomic", "keychunk", "grouped")
 FWD_MODES = ("query", "grouped")
 DEFAULT_DKV_MODE = "keychunk"
@@ -288,11 +291,12 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
                           config, dkv_op == "add")
         return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
     one_pass = mode == "atomic" or n_chunks == 1
+    pack = None if _pack_setting() == "on" else False
 
     def launch(r0, r1, config, dq_dst, bounds=None, sorted_idx=None):
         src = flat_idx[r0:r1] if sorted_idx is None else sorted_idx
         k.backward(rows[r0:r1], kv_rows, src, drows[r0:r1], flat_lse[r0:r1], dlt[r0:r1], dq_dst, dkv,
-                   row0=r0, config=config, bounds=bounds, dkv_op=dkv_op, **kw)
+                   row0=r0, config=config, bounds=bounds, dkv_op=dkv_op, pack=pack, **kw)
 
     if one_pass:
         if config is None:
@@ -399,6 +403,13 @@ def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mo
     out, lse = _SparseMLA.apply(q.contiguous(), kv.contiguous(), indices.contiguous(), float(scale), dkv_mode,
                                 int(key_chunk), int(budget_bytes), dict(configs or {}), fwd_mode, int(fwd_key_chunk))
     return (out, lse) if return_lse else out
+
+
+def _pack_setting() -> str:
+    value = os.environ.get(ENV_PACK, "on")
+    if value not in ("on", "off"):
+        raise GenolongError(f"{ENV_PACK}={value!r} is not a setting; set it to on (stack q and dO where the head block has room) or off, or unset it")
+    return value
 
 
 def _sort_setting() -> str:

@@ -69,6 +69,12 @@ def slot_columns(dim: int) -> int:
     return min(dim, 128)
 
 
+def packs(heads: int, config: Config) -> bool:
+    """Whether the backward stacks q and dO into one operand (`_sparse_mla_bwd_row_packed`): with at
+    most half the head block's rows being heads, in one head block, head-major."""
+    return not config.slot_major and 2 * heads <= config.head_block
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs (tests) get exact fp32 products; 16-bit inputs run bf16/fp16 tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -174,6 +180,64 @@ def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
 
 
 @triton.jit
+def _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi,
+             row0, seq_q, seq_kv, width, scale, scale_log2, H,
+             HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr,
+             DKV_OP: tl.constexpr):
+    """`_sparse_mla_bwd_row` for 2H <= HB heads (one head block): 3 of the 5 products per slot block.
+
+    The head block has HB rows (16, the tensor-core product's least) but only H of them are heads
+    (4 at glm53-mini), so q and dO share one operand: qd = [q; dO] (rows [0, H) and [H, 2H)).
+    x = qd K^T gives q.k and dO.k in one product; dO.k is moved to the rows of its heads by a
+    16 x 16 product with a shift matrix (fp32 x as a bf16 high part plus a bf16 remainder, ~16
+    mantissa bits; exact in fp32). dkv = dS^T q + P^T dO becomes [dS; P]^T qd, one product (the
+    two stacks are disjoint rows: exact). dq = dS K is unchanged."""
+    heads = tl.arange(0, HB)
+    live = heads < H
+    d = tl.arange(0, D)
+    batch = (row0 + row) // seq_q
+    kv_rows = kv_ptr + batch * seq_kv * D
+    dkv_rows = dkv_ptr + batch * seq_kv * D
+    offs = (row * H + heads[:, None]) * D + d[None, :]
+    q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0)
+    do = tl.load(do_ptr + offs, mask=live[:, None], other=0.0)
+    # up moves row j to row j + H, down row j + H to row j: one 1 per row, exact in any dtype.
+    up = (heads[:, None] == heads[None, :] + H).to(q.dtype)
+    down = (heads[None, :] == heads[:, None] + H).to(q.dtype)
+    qd = (q.to(tl.float32) + tl.dot(up, do, input_precision=PREC)).to(q.dtype)
+    lse = tl.load(lse_ptr + row * H + heads, mask=live, other=0.0) * _LOG2E
+    delta = tl.load(delta_ptr + row * H + heads, mask=live, other=0.0)
+    dq = tl.zeros([HB, D], tl.float32)
+    for start in range(lo, hi, BN):
+        slot = start + tl.arange(0, BN)
+        j = tl.load(idx_ptr + row * width + slot, mask=slot < hi, other=-1)
+        valid = (j >= 0) & (j < seq_kv)
+        k = tl.load(kv_rows + j.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        x = tl.dot(qd, tl.trans(k), input_precision=PREC)  # rows [0, H): q.k; [H, 2H): dO.k
+        if PREC == "ieee":
+            dp = tl.dot(down, x, input_precision=PREC)
+        else:
+            x_hi = x.to(k.dtype)
+            dp = tl.dot(down, x_hi) + tl.dot(down, (x - x_hi.to(tl.float32)).to(k.dtype))
+        # Rows past H (dO.k, zeros) are not heads: no probability, so no dS.
+        p = tl.where(live[:, None] & valid[None, :], tl.exp2(x * scale_log2 - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        if DKV_OP != 0:
+            stacked = (ds * scale + tl.dot(up, p.to(k.dtype), input_precision=PREC)).to(k.dtype)  # [dS * scale; P]
+            dkv = tl.dot(tl.trans(stacked), qd, input_precision=PREC)
+            if DKV_OP == 1:
+                tl.atomic_add(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None], sem="relaxed")
+            else:
+                tl.store(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None])
+    dq = dq * scale
+    if DQ_ATOMIC:
+        tl.atomic_add(dq_ptr + offs, dq, mask=live[:, None], sem="relaxed")
+    else:
+        tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
 def _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
              row0, seq_q, seq_kv, width, scale, scale_log2, H,
              HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
@@ -237,7 +301,7 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
                 row0, n_rows, seq_q, seq_kv, width, n_bounds, scale, scale_log2, H,
                 HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
                 RANGED: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr, DKV_OP: tl.constexpr,
-                SLOTS: tl.constexpr, DC: tl.constexpr):
+                SLOTS: tl.constexpr, DC: tl.constexpr, PACK: tl.constexpr):
     # Per-row tensors (q, idx, dO, lse, Delta, dq) start at this launch's first row; row0 + row is
     # the row in the whole [B*T] sequence (for the batch of its keys).
     pid = tl.program_id(0)
@@ -263,12 +327,18 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
                         if SLOTS:
                             _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
                                      row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, DC, True, PREC, DKV_OP)
+                        elif PACK:
+                            _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi,
+                                     row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP)
                         else:
                             _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
                                      row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP)
     elif SLOTS:
         _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
                  pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, DC, False, PREC, DKV_OP)
+    elif PACK:
+        _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, pid.to(tl.int64), 0, width,
+                 row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC, DKV_OP)
     else:
         _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
                  pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC, DKV_OP)
@@ -297,14 +367,17 @@ def delta(out, dout, dst) -> None:
 
 
 def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_kv: int, scale: float,
-             config: Config, bounds=None, dkv_op: str = "add") -> None:
+             config: Config, bounds=None, dkv_op: str = "add", pack: bool | None = None) -> None:
     """dq and dkv (fp32, added to) for the rows of this launch; dq is stored (q's dtype) in one pass,
     added to (an fp32 buffer) with key chunks. `dkv_op` "skip" / "store" are the benchmark's probes
     (wrong dkv).
 
     `bounds` [rows, C + 1] int32: row r's slots of key chunk c are [bounds[r, c], bounds[r, c+1])
-    of its (sorted) idx row; None: every slot in one pass."""
+    of its (sorted) idx row; None: every slot in one pass. `pack` (None: `packs`) stacks q and dO
+    into one operand where at most half the head block's rows are heads."""
     rows, heads, dim = q.shape
+    if pack and not packs(heads, config):
+        raise ValueError(f"{heads} heads fill more than half of {config.label()}'s head block: the backward cannot pack them")
     if rows == 0:
         return
     n_hb = triton.cdiv(heads, config.head_block)
@@ -316,11 +389,11 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
                          row0, rows, seq_q, seq_kv, idx.shape[1], n_bounds, scale, scale * LOG2E, heads,
                          HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
                          RANGED=bounds is not None, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS[dkv_op],
-                         SLOTS=config.slot_major, DC=slot_columns(dim),
+                         SLOTS=config.slot_major, DC=slot_columns(dim), PACK=packs(heads, config) if pack is None else pack,
                          PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool = False, arch: int = 90):
+def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool = False, pack: bool | None = None, arch: int = 90):
     """Compile "fwd" or "bwd" for a GPU architecture without a GPU, specialised as the JIT
     specialises a launch (genolong/kernels/aot.py): the CPU build check."""
     from genolong.kernels import aot
@@ -332,7 +405,8 @@ def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool
                     seq_q="i32", seq_kv="i32", width="i32", scale_log2="fp32", H="i32")
     else:
         fn = _sparse_mla_bwd_kernel
-        meta.update(RANGED=ranged, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS["add"], SLOTS=config.slot_major, DC=slot_columns(dim))
+        meta.update(RANGED=ranged, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS["add"], SLOTS=config.slot_major, DC=slot_columns(dim),
+                    PACK=packs(heads, config) if pack is None else pack)
         args = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32",
                     dq_ptr="*fp32" if ranged else "*bf16", dkv_ptr="*fp32", bounds_ptr="*i32", row0="i32", n_rows="i32",
                     seq_q="i32", seq_kv="i32", width="i32", n_bounds="i32", scale="fp32", scale_log2="fp32", H="i32")

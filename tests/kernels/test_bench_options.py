@@ -47,10 +47,10 @@ def test_backward_probe_names_parse_to_mode_op_and_key_chunk():
     from genolong.kernels.sparse_mla_triton import Config
 
     default = Config(16, 16, 4, 5)
-    assert parse_probe("probe-keychunk-bwd") == ("keychunk", "add", KEY_CHUNK, default)
-    assert parse_probe("probe-atomic-bwd-nodkv") == ("atomic", "skip", KEY_CHUNK, default)
-    assert parse_probe("probe-keychunk-bwd-store-kc4096") == ("keychunk", "store", 4096, default)
-    assert parse_probe("probe-keychunk-bwd-cfg16x64x8x2t") == ("keychunk", "add", KEY_CHUNK, Config(16, 64, 8, 2, slot_major=True))
+    assert parse_probe("probe-keychunk-bwd") == ("keychunk", "add", KEY_CHUNK, default, True)
+    assert parse_probe("probe-atomic-bwd-nodkv") == ("atomic", "skip", KEY_CHUNK, default, True)
+    assert parse_probe("probe-keychunk-bwd-store-kc4096-nopack") == ("keychunk", "store", 4096, default, False)
+    assert parse_probe("probe-keychunk-bwd-cfg16x64x8x2t") == ("keychunk", "add", KEY_CHUNK, Config(16, 64, 8, 2, slot_major=True), True)
     assert parse_probe("probe-atomic-bwd-nodkv-cfg32x16x8x5")[3] == Config(32, 16, 8, 5)
     assert all(is_impl(impl) for _, _, impl in PRESETS["bwd-probe"]["cells"])
     for bad in ("probe-keychunk-fwd", "probe-keychunk-bwd-kc0", "probe-keychunk-bwd-fast", "probe-keychunk-bwd-cfg16x64x8",

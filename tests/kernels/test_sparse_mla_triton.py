@@ -25,6 +25,14 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 # row) or "pools" (the indexer reference's pool-structured, causal selections, kpool 4 + tail).
 CASES = {
     "fp32 random, 2 batches, atomic": dict(batch=2, seq=48, heads=4, dim=64, sel="random", width=37, dtype="float32", mode="atomic"),
+    # The backward stacks q and dO into one operand where at most half the head block is heads
+    # (the cases above with <= 8 heads and 16-row blocks); these keep them apart (the old pass).
+    "fp32 random, 2 batches, atomic, unpacked": dict(batch=2, seq=48, heads=4, dim=64, sel="random", width=37, dtype="float32",
+                                                     mode="atomic", pack="off"),
+    "fp16 pools, GLM width 2051, 4 heads x 512, unpacked": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512,
+                                                                 dtype="float16", mode="keychunk", key_chunk=8, pack="off"),
+    "fp16 pools, 8 heads (the most that pack) x 512, key chunks of 32, one-pass dq":
+        dict(batch=1, seq=64, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="atomic"),
     "fp32 random, kv longer than q (CP), key chunks of 16, 4 query chunks":
         dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="keychunk",
              key_chunk=16, query_chunks=4),
@@ -92,7 +100,7 @@ interp._patch_lang_tensor = _patched
 """
 
 _INTERPRETED = INTERPRETER_PATCH + r"""
-import json, sys
+import json, os, sys
 import torch
 
 from genolong.kernels import _common, sparse_mla, sparse_mla_grouped as grouped
@@ -132,6 +140,7 @@ def rel(a, b):
     return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
 
 for name, c in json.loads(sys.argv[1]).items():
+    os.environ[sparse_mla.ENV_PACK] = c.get("pack", "on")
     g = torch.Generator().manual_seed(len(name))
     dtype = getattr(torch, c["dtype"])
     kv_len, dim = c.get("kv_len", c["seq"]), c["dim"]
