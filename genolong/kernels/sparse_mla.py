@@ -454,7 +454,8 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
     Environment: GENOLONG_SPARSE_MLA=off declines (the next implementation, megatron-core's
     TileLang kernel, runs instead); GENOLONG_SPARSE_MLA_DKV picks the dkv mode,
-    GENOLONG_SPARSE_MLA_FWD the forward's, GENOLONG_SPARSE_MLA_KEY_CHUNK the keys per chunk."""
+    GENOLONG_SPARSE_MLA_FWD the forward's, GENOLONG_SPARSE_MLA_KEY_CHUNK the keys per chunk,
+    GENOLONG_SPARSE_MLA_PACK=off keeps q and dO apart in the backward."""
     if os.environ.get(ENV_SWITCH, "on") == "off":
         raise KernelUnsupported(f"disabled by {ENV_SWITCH}=off")
     _common.require_cuda(q, kv, indices)

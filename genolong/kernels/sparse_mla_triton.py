@@ -17,6 +17,9 @@ allocated or written.
   one key chunk (rows sorted, each chunk's slot range given), programs ordered chunk by chunk,
   so the rows of kv and of the fp32 dkv buffer that are being gathered and added to at any
   moment fit in L2; dq is then a partial sum per chunk, added atomically into an fp32 buffer.
+  With PACK (at most half the head block's rows are heads: 1-8 heads) q and dO share one operand,
+  3 products a slot block instead of 5 (`_sparse_mla_bwd_row_packed`). SLOTS, the slot-major form
+  (`_sparse_mla_bwd_row_slots`), was measured slower and is a benchmark probe only.
   (The names say "sparse_mla" so that profiles attribute them.)
 
 Slots hold key positions; -1 (and anything outside [0, S)) is an empty slot. All row offsets

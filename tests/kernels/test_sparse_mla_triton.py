@@ -373,4 +373,22 @@ def test_bad_sort_and_key_chunk_settings_are_one_line_errors(monkeypatch):
     monkeypatch.setenv(sparse_mla.ENV_KEY_CHUNK, "4096")
     monkeypatch.delenv(sparse_mla.ENV_SORT)
     assert sparse_mla._key_chunk() == 4096 and sparse_mla._sort_setting() == "auto"
+    monkeypatch.setenv(sparse_mla.ENV_PACK, "yes")
+    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_PACK='yes' is not a setting"):
+        sparse_mla._pack_setting()
+    monkeypatch.delenv(sparse_mla.ENV_PACK)
+    assert sparse_mla._pack_setting() == "on"
+
+
+@needs_triton
+def test_the_backward_packs_only_where_half_the_head_block_is_free():
+    from genolong.kernels.sparse_mla_triton import Config, backward, packs
+
+    assert packs(4, Config(16, 16, 4, 5)) and packs(8, Config(16, 16, 4, 5)) and packs(16, Config(32, 16, 8, 5))
+    assert not packs(9, Config(16, 16, 4, 5)) and not packs(16, Config(16, 16, 4, 5))
+    assert not packs(4, Config(16, 64, 4, 1, slot_major=True))
+    q = torch.zeros(16, 12, 32)
+    with pytest.raises(ValueError, match="12 heads fill more than half of HB16/BN16/w4/s5's head block"):
+        backward(q, None, None, None, None, None, None, None, row0=0, seq_q=16, seq_kv=16, scale=1.0,
+                 config=Config(16, 16, 4, 5), pack=True)
 
