@@ -41,7 +41,8 @@ GROUP = 8
 # Pools per group of the v2 path (fused_select). The group maxima are exact bounds for any G, so
 # G changes the cost, never the selection: fewer pools per group halve pass 2's gathered
 # candidates (G * topk per query) for twice the group maxima. Measured at 512k on the H200
-# (bench_indexer.py, 2026-12-02): G=4 244.4 ms, G=8 358.6 ms. GENOLONG_INDEXER_V2_GROUP overrides it.
+# (bench_indexer.py, 2026-12-02, side by side): G=4 242.3 ms, G=8 351.5 ms, the same selections.
+# GENOLONG_INDEXER_V2_GROUP overrides it.
 V2_GROUP = 4
 ENV_V2_GROUP = "GENOLONG_INDEXER_V2_GROUP"
 BUDGET_BYTES = 2 << 30

@@ -253,8 +253,8 @@ def _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr
 
     Measured on the H200 (bench_sparse_attention.py probes, 128k x 4 heads, 2026-12-02): 298 ms
     at 4 warps, 515 at 8, against 277.5 for the head-major pass; without dkv 180 vs 164 ms. The
-    builds use all 255 registers and spill: the pass is bound by its gathers and registers, not
-    by the tensor-core instruction, so wgmma does not pay here."""
+    builds use all 255 registers and spill (the [BN, 512] key block, the dq^T accumulator), so the
+    other instruction does not pay; doing fewer products does (`_sparse_mla_bwd_row_packed`)."""
     heads = hb * HB + tl.arange(0, HB)
     live = heads < H
     d = tl.arange(0, D)
