@@ -137,6 +137,24 @@ def _sparse_mla_delta_kernel(o_ptr, do_ptr, delta_ptr, H, HP: tl.constexpr, D: t
 
 
 @triton.jit
+def _write_dkv(dst, dkv, valid, DKV_OP: tl.constexpr):
+    """One slot block's dkv rows: added (DKV_OP 1), or stored (2: the benchmark's probe, wrong dkv)."""
+    if DKV_OP == 1:
+        tl.atomic_add(dst, dkv, mask=valid[:, None], sem="relaxed")
+    else:
+        tl.store(dst, dkv, mask=valid[:, None])
+
+
+@triton.jit
+def _write_dq(dst, dq, mask, DQ_ATOMIC: tl.constexpr):
+    """A row's dq: added into the fp32 partial-sum buffer (key chunks) or stored in q's dtype."""
+    if DQ_ATOMIC:
+        tl.atomic_add(dst, dq, mask=mask, sem="relaxed")
+    else:
+        tl.store(dst, dq.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
              row0, seq_q, seq_kv, width, scale, scale_log2, H,
              HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr,
@@ -171,15 +189,8 @@ def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
             # The whole head block's contribution to each selected key, summed before the atomic.
             dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, input_precision=PREC)
             dkv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)
-            if DKV_OP == 1:
-                tl.atomic_add(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None], sem="relaxed")
-            else:
-                tl.store(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None])
-    dq = dq * scale
-    if DQ_ATOMIC:
-        tl.atomic_add(dq_ptr + offs, dq, mask=live[:, None], sem="relaxed")
-    else:
-        tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=live[:, None])
+            _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, valid, DKV_OP)
+    _write_dq(dq_ptr + offs, dq * scale, live[:, None], DQ_ATOMIC)
 
 
 @triton.jit
@@ -229,15 +240,8 @@ def _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_pt
         if DKV_OP != 0:
             stacked = (ds * scale + tl.dot(up, p.to(k.dtype), input_precision=PREC)).to(k.dtype)  # [dS * scale; P]
             dkv = tl.dot(tl.trans(stacked), qd, input_precision=PREC)
-            if DKV_OP == 1:
-                tl.atomic_add(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None], sem="relaxed")
-            else:
-                tl.store(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, mask=valid[:, None])
-    dq = dq * scale
-    if DQ_ATOMIC:
-        tl.atomic_add(dq_ptr + offs, dq, mask=live[:, None], sem="relaxed")
-    else:
-        tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=live[:, None])
+            _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, valid, DKV_OP)
+    _write_dq(dq_ptr + offs, dq * scale, live[:, None], DQ_ATOMIC)
 
 
 @triton.jit
@@ -287,16 +291,8 @@ def _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr
                 do_c = tl.load(do_ptr + offs_c, mask=live[:, None], other=0.0)
                 dkv = tl.dot(ds_scaled, q_c, input_precision=PREC)
                 dkv += tl.dot(p_low, do_c, input_precision=PREC)
-                dst = dkv_rows + j.to(tl.int64)[:, None] * D + dc[None, :]
-                if DKV_OP == 1:
-                    tl.atomic_add(dst, dkv, mask=valid[:, None], sem="relaxed")
-                else:
-                    tl.store(dst, dkv, mask=valid[:, None])
-    dq_t = dq_t * scale
-    if DQ_ATOMIC:
-        tl.atomic_add(dq_ptr + offs_t, dq_t, mask=live[None, :], sem="relaxed")
-    else:
-        tl.store(dq_ptr + offs_t, dq_t.to(dq_ptr.dtype.element_ty), mask=live[None, :])
+                _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + dc[None, :], dkv, valid, DKV_OP)
+    _write_dq(dq_ptr + offs_t, dq_t * scale, live[None, :], DQ_ATOMIC)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "seq_q", "seq_kv", "width", "n_bounds", "H"])
