@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_memory_ablation import HOST_RAM_GIB, Bench  # noqa: E402
 
+from genolong.train.compile import apply_compile  # noqa: E402
 from genolong.train.options import MemoryOptions  # noqa: E402
+from genolong.train.passes import compile_pass_on  # noqa: E402
 from genolong.units import parse_length  # noqa: E402
 
 # First match wins; names are CUDA kernel names as the profiler reports them.
@@ -57,11 +59,17 @@ def main() -> None:
     ap.add_argument("--seq", default="128k")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-recompute", action="store_true", help="profile without full-layer recompute")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="the compile pass (norms, router, dense MLP; mHC stays fused), as finetune's default: on with a GPU")
     ap.add_argument("--out", type=Path, default=Path("runs/profile"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     seq = parse_length(args.seq)
     bench = Bench(args.preset, args.data)
+    # The profile is of the step `genolong finetune` runs, so the same rule decides the compile pass.
+    compiled = compile_pass_on(args.compile, torch.cuda.is_available(), bench.policy)
+    if compiled:
+        apply_compile(bench.model, mhc=False)
     opts = MemoryOptions(host_budget_gib=0.75 * HOST_RAM_GIB, recompute=not args.no_recompute,
                          **({"offload": False} if args.no_recompute else {}))
     bench.use(opts)
@@ -93,7 +101,7 @@ def main() -> None:
         lines.append(f"{ms:9.1f} {n:7d} {ms / gpu_ms:6.1%}  {name[:150]}")
     (args.out / "kernels.txt").write_text("\n".join(lines) + "\n")
     summary = {"seq_len": seq, "step": row, "gpu_kernel_ms": gpu_ms,
-               "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "recompute": not args.no_recompute}
+               "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "recompute": not args.no_recompute, "compile": compiled}
     (args.out / "categories.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("\n".join(lines[:45]))
     print(json.dumps(summary["categories_ms"], indent=1))

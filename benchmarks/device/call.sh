@@ -26,6 +26,8 @@ for stage in "$@"; do
     kernels512k) cmd="python3 benchmarks/bench_kernels.py --sizes 512k --indexer-extra '' --skip-parity --no-indexer ${KERNELS_ARGS:-} --out $OUT/kernels" ;;
     ablation) cmd="python3 benchmarks/bench_memory_ablation.py --data /tmp/bundled ${ABLATION_ARGS:-} --out $OUT/ablation.jsonl" ;;
     train) cmd="python3 benchmarks/bench_train.py --data /tmp/bundled ${TRAIN_ARGS:-} --out $OUT/train.json" ;;
+    # `genolong finetune` itself (its defaults: on the GPU the compile pass and the fused kernels), a few steps; its run files come back.
+    finetune) cmd="python3 -m genolong finetune --data /tmp/bundled --seq ${FT_SEQ:-128k} --steps ${FT_STEPS:-4} --warmup 1 --out /tmp/ft --overwrite ${FT_ARGS:-}; rc=\$?; mkdir -p $OUT/finetune; cp /tmp/ft/*.json /tmp/ft/*.jsonl /tmp/ft/*.log $OUT/finetune/ 2>/dev/null; exit \$rc" ;;
     fastops) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_fastops.py" ;;
     compile128k) cmd="python3 benchmarks/bench_compile_step.py --data /tmp/bundled --seq 128k --out $OUT/compile128k" ;;
     reallayers) cmd="python3 benchmarks/bench_real_layers.py --budget-s $(( limit - 40 )) --out $OUT/reallayers ${REAL_ARGS:-}" ;;

@@ -10,11 +10,11 @@ dkv, two ways (`dkv_mode`):
 - "atomic": one query-major pass; the fp32 dkv buffer ([S, 512], 4x the size of L2 at 128k) is
   added to at random rows.
 - "keychunk": each query's row is put in key order (sorted, unless its keys already ascend, as the
-  fused indexer writes them), and the same pass runs key chunk by key chunk (programs
-  ordered chunk-major), so the kv rows and fp32 dkv rows in use fit in L2; dq becomes a partial
-  sum per chunk, added into an fp32 buffer. Rows are processed in query chunks sized from a
-  byte budget (the sort, the chunk ranges and the fp32 dq of a chunk). With one key chunk
-  (S <= key_chunk) it is the atomic pass.
+  fused indexer writes them; which of the two is learned without a host sync, row_order.py), and
+  the same pass runs key chunk by key chunk (programs ordered chunk-major), so the kv rows and
+  fp32 dkv rows in use fit in L2; dq becomes a partial sum per chunk, added into an fp32 buffer.
+  Rows are processed in query chunks sized from a byte budget (the sort, the chunk ranges and the
+  fp32 dq of a chunk). With one key chunk (S <= key_chunk) it is the atomic pass.
 
 - "grouped" (sparse_mla_grouped.py): one launch per key chunk, in key order, programs owning
   groups of consecutive queries stacked into the tensor-core rows; dq in an fp32 buffer between
@@ -39,11 +39,15 @@ import torch
 
 from genolong.errors import GenolongError
 from genolong.kernels import _common
+from genolong.kernels.row_order import RowOrder
 from genolong.model.ops import KernelUnsupported
 
 ENV_SWITCH = "GENOLONG_SPARSE_MLA"
 ENV_DKV_MODE = "GENOLONG_SPARSE_MLA_DKV"
 ENV_FWD_MODE = "GENOLONG_SPARSE_MLA_FWD"
+# "sync": ask the GPU each query chunk whether its rows ascend (one host sync each: the old path)
+# instead of walking by the latest answer that has come back (row_order.py)
+ENV_ORDER = "GENOLONG_SPARSE_MLA_ORDER"
 ENV_SORT = "GENOLONG_SPARSE_MLA_SORT"  # "always": sort every row for the key-chunked pass (the old path)
 # "off": v1's backward keeps q and dO apart (5 products a slot block) even where it could stack them
 # into one operand (3 products: sparse_mla_triton._sparse_mla_bwd_row_packed); "on" (default): stack.
@@ -56,6 +60,9 @@ DEFAULT_FWD_MODE = "query"
 # L2. Measured (bench_sparse_attention.py probes, 2026-12-02): 512k x 4 heads 1,213 ms vs 1,341 at
 # 8192 and 1,582 at 4096; 128k 276.7 vs 275.5 at 8192, 296 at 32768. GENOLONG_SPARSE_MLA_KEY_CHUNK overrides it.
 KEY_CHUNK = 16384
+# What the backward has learned of its rows' order (row_order.py): one per process, since one
+# model's DSA layers share one selection kernel.
+ROW_ORDER = RowOrder()
 ENV_KEY_CHUNK = "GENOLONG_SPARSE_MLA_KEY_CHUNK"
 QUERY_BUDGET_BYTES = 1 << 30
 TUNE_ROWS = 16384
@@ -238,16 +245,22 @@ def backward_row_bytes(width: int, heads: int, dim: int, n_chunks: int) -> int:
     return width * 20 + (n_chunks + 1) * 12 + heads * dim * 4
 
 
-def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, always_sort: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, always_sort: bool = False,
+                   order: RowOrder | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows the key-chunked pass walks, bounds [n, C + 1] int32): row r's slots of key chunk c are
-    [bounds[r, c], bounds[r, c + 1]) of its walked row.
+    [bounds[r, c], bounds[r, c + 1]) of its walked row; every valid slot lies in exactly one range.
 
     Rows whose keys ascend apart from their empty (negative) slots are walked as they are: the fused
     indexer writes its pools in ascending order, then the tail, so this skips a sort of every row.
     Their bounds come from each slot's smallest key at or after it, which ascends: an empty slot
     joins the range of the next key (the kernel skips it), trailing ones no range. Otherwise the
     rows are sorted (empty slots first), as before (always with `always_sort`: GENOLONG_SPARSE_MLA_SORT=always,
-    the measurement's old arm). One host sync for the check."""
+    the measurement's old arm).
+
+    Without `order`: one host sync decides, and a range's keys always lie in its chunk. With the
+    backward's `order` (row_order.py): no sync; the rows are walked as they are while the latest
+    answer that has arrived says they ascend, and this chunk's answer is sent on. Rows that do not
+    ascend, walked so, give the same gradients (the kernel addresses keys absolutely), only slower."""
     def bounds(ascending):
         return torch.searchsorted(ascending, edges.expand(idx.shape[0], -1).contiguous(), out_int32=True)
 
@@ -255,7 +268,13 @@ def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, always_sort: bool = F
         filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
         suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
         del filled
-        if bool(((idx < 0) | (idx == suffix_min)).all()):
+        ascends = ((idx < 0) | (idx == suffix_min)).all()
+        if order is not None:
+            walk_as_is = order.latest()
+            order.send(ascends)
+        else:
+            walk_as_is = bool(ascends)
+        if walk_as_is:
             return idx, bounds(suffix_min)
         del suffix_min
     walked = torch.sort(idx, dim=-1).values
@@ -309,11 +328,12 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
 
     step = max(ROW_ALIGN, _aligned(backward_rows_per_chunk(width, heads, dim, n_chunks, budget_bytes)))
     always_sort = _sort_setting() == "always"
+    order = ROW_ORDER if _order_setting() == "async" else None
     edges = torch.arange(n_chunks + 1, device=q.device, dtype=torch.int32) * key_chunk
 
     def chunk(r0, r1):
         """The rows in key order (key_chunk_rows), each key chunk's slot range, a zero dq."""
-        walked, bounds = key_chunk_rows(flat_idx[r0:r1], edges, always_sort)
+        walked, bounds = key_chunk_rows(flat_idx[r0:r1], edges, always_sort, order)
         return walked, bounds, torch.zeros((r1 - r0, heads, dim), dtype=torch.float32, device=q.device)
 
     if config is None:
@@ -409,6 +429,13 @@ def _pack_setting() -> str:
     value = os.environ.get(ENV_PACK, "on")
     if value not in ("on", "off"):
         raise GenolongError(f"{ENV_PACK}={value!r} is not a setting; set it to on (stack q and dO where the head block has room) or off, or unset it")
+    return value
+
+
+def _order_setting() -> str:
+    value = os.environ.get(ENV_ORDER, "async")
+    if value not in ("async", "sync"):
+        raise GenolongError(f"{ENV_ORDER}={value!r} is not a setting; set it to async (no host sync for the rows' order) or sync, or unset it")
     return value
 
 

@@ -54,6 +54,12 @@ CASES = {
         dict(batch=2, seq=40, heads=4, dim=32, sel="ascending", width=13, dtype="float32", mode="keychunk", key_chunk=8,
              query_chunks=3),
     "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8),
+    # Rows that do not ascend, walked unsorted: what the backward does until the answer to "do the
+    # rows ascend?" (row_order.py, read without a host sync) has come back. Same gradients, by the
+    # kernel's absolute key addressing; the first query chunk is walked so, the later ones sorted.
+    "fp32 random rows walked unsorted before their order is known, key chunks of 8, 3 query chunks":
+        dict(batch=2, seq=40, heads=4, dim=32, sel="random", width=13, dtype="float32", mode="keychunk", key_chunk=8,
+             query_chunks=3, fresh_order=True),
     # The slot-major backward (Config.slot_major: slots as the products' rows, dkv 128 columns at a time).
     "fp32 slot-major backward, key chunks of 16, kv longer than q (CP), 3 query chunks":
         dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="keychunk",
@@ -104,6 +110,7 @@ import json, os, sys
 import torch
 
 from genolong.kernels import _common, sparse_mla, sparse_mla_grouped as grouped
+from genolong.kernels.row_order import RowOrder
 from genolong.kernels.sparse_mla_triton import Config
 from genolong.model.dsa import sparse_attention_reference
 from genolong.model.indexer import indexer_topk_reference
@@ -111,6 +118,15 @@ from genolong.model.indexer import indexer_topk_reference
 _common.POISON = True
 _pick = sparse_mla.pick
 grouped_rows = sparse_mla.ROW_ALIGN  # the smallest query chunk
+_key_chunk_rows = sparse_mla.key_chunk_rows
+walks = []  # per query chunk: (walked unsorted, the rows ascend)
+
+def watched_key_chunk_rows(idx, edges, always_sort=False, order=None):
+    walked, bounds = _key_chunk_rows(idx, edges, always_sort, order)
+    walks.append((walked is idx, _key_chunk_rows(idx, edges)[0] is idx))
+    return walked, bounds
+
+sparse_mla.key_chunk_rows = watched_key_chunk_rows
 
 def pick_with_trials(kind, q, width, trial):
     # What pick() does on the GPU, minus the clock: every trial runs (twice), then "timed".
@@ -141,6 +157,9 @@ def rel(a, b):
 
 for name, c in json.loads(sys.argv[1]).items():
     os.environ[sparse_mla.ENV_PACK] = c.get("pack", "on")
+    if c.get("fresh_order"):
+        sparse_mla.ROW_ORDER = RowOrder()
+    walks.clear()
     g = torch.Generator().manual_seed(len(name))
     dtype = getattr(torch, c["dtype"])
     kv_len, dim = c.get("kv_len", c["seq"]), c["dim"]
@@ -171,7 +190,9 @@ for name, c in json.loads(sys.argv[1]).items():
     lse_err = (got[1][finite].double() - ref[1][finite]).abs().max().item() if finite.any() else 0.0
     print("RESULT", json.dumps(dict(name=name, out=rel(got[0], ref[0]), dq=rel(got[2], ref[2]), dkv=rel(got[3], ref[3]),
                                     lse=lse_err, lse_empty=bool((got[1][~finite] == float("-inf")).all()),
-                                    empty_rows=int((~finite).sum()), out_dtype=str(got[0].dtype), lse_dtype=str(got[1].dtype))), flush=True)
+                                    empty_rows=int((~finite).sum()), out_dtype=str(got[0].dtype), lse_dtype=str(got[1].dtype),
+                                    unsorted_not_ascending=sum(u and not a for u, a in walks),
+                                    sorted_not_ascending=sum(not u and not a for u, a in walks))), flush=True)
 """
 
 
@@ -194,6 +215,9 @@ def test_interpreted_kernels_match_the_reference(interpreted, name):
         assert r[field] <= tol, (field, r)
     assert r["lse"] <= 10 * tol, r  # absolute, natural log
     assert r["lse_empty"], r  # rows with no valid slot: lse -inf
+    if CASES[name].get("fresh_order"):
+        # The first chunk went unsorted (the order not yet known), the rest sorted (it came back at once on the CPU).
+        assert r["unsorted_not_ascending"] == 1 and r["sorted_not_ascending"] >= 1, r
 
 
 def test_cases_cover_empty_rows_and_partial_blocks():
@@ -363,6 +387,27 @@ def test_key_chunk_rows_sort_when_one_row_does_not_ascend():
     assert walked is not idx and walked.tolist() == [[-1, 0, 3, 9]] and bounds.tolist() == [[1, 3, 3, 4]]
 
 
+def test_key_chunk_rows_with_an_order_walk_by_the_latest_answer_and_send_their_own():
+    from genolong.kernels.row_order import RowOrder
+
+    idx = torch.tensor([[0, -1, 3, 9], [5, 2, -1, 7]], dtype=torch.int32)  # row 1 does not ascend
+    edges = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    order = RowOrder()  # nothing known yet: ascending assumed, no sync
+    walked, bounds = sparse_mla.key_chunk_rows(idx, edges, order=order)
+    assert walked is idx and not order.ascend  # walked as it is; this chunk's answer has arrived
+    # Every valid slot in exactly one chunk's range (what the kernel's gradients need), even where a
+    # range holds a key of a later chunk (row 1: its 5 sits before its 2).
+    for r in range(2):
+        covered = [s for c in range(3) for s in range(bounds[r, c], bounds[r, c + 1]) if idx[r, s] >= 0]
+        assert sorted(covered) == [s for s in range(4) if idx[r, s] >= 0], (r, bounds[r])
+    assert bounds[1].tolist() == [0, 2, 4, 4]  # suffix minima 2, 2, 7, 7: slots 0-1 (keys 5, 2) in chunk 0
+    walked, bounds = sparse_mla.key_chunk_rows(idx, edges, order=order)  # now known: sorted
+    assert walked.tolist() == [[-1, 0, 3, 9], [-1, 2, 5, 7]] and bounds.tolist() == [[1, 3, 3, 4], [1, 2, 4, 4]]
+    walked, _ = sparse_mla.key_chunk_rows(idx[:1], edges, order=order)  # ascending rows: sorted once more, then not
+    assert walked is not idx and order.ascend
+    assert sparse_mla.key_chunk_rows(idx[:1], edges, order=order)[0].data_ptr() == idx.data_ptr()
+
+
 def test_bad_sort_and_key_chunk_settings_are_one_line_errors(monkeypatch):
     monkeypatch.setenv(sparse_mla.ENV_SORT, "never")
     with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_SORT='never' is not a setting"):
@@ -378,6 +423,11 @@ def test_bad_sort_and_key_chunk_settings_are_one_line_errors(monkeypatch):
         sparse_mla._pack_setting()
     monkeypatch.delenv(sparse_mla.ENV_PACK)
     assert sparse_mla._pack_setting() == "on"
+    monkeypatch.setenv(sparse_mla.ENV_ORDER, "wait")
+    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_ORDER='wait' is not a setting"):
+        sparse_mla._order_setting()
+    monkeypatch.delenv(sparse_mla.ENV_ORDER)
+    assert sparse_mla._order_setting() == "async"
 
 
 @needs_triton
