@@ -192,18 +192,38 @@ def layer_cells(run: Run, size: str, reps: int, tp: int) -> None:
     run.cell(f"kda{heads}", size, kda, reps)
     run.cell(f"sdpa-kda{heads}", size, lambda c=c: sdpa(c.kda.num_heads, c.kda.head_dim, c.kda.head_dim, seq), reps)
 
-    def indexer(c=c, offset=0, n_pools=seq // c.dsa.indexer.kpool):
-        ix = c.dsa.indexer
-        fused = ops.implementations("dsa_indexer_topk")["triton_fused_select"]
+    indexer_cell(run, size, reps, c)
+    if tp == 8 and size == "128k":
+        indexer_cell(run, size, 2, c, offset=7 * K128, n_pools=8 * K128 // c.dsa.indexer.kpool, name="idx-cp8-r7")
+
+
+# The indexer's two fused selections: v2 (pass 1 group maxima, then the candidates; the fused policy's
+# choice) and v1 (two full passes), "-v1" in the cell's name.
+INDEXER_IMPLS = {"v2": "triton_fused_select", "v1": "triton_two_pass"}
+
+
+def indexer_cell(run: Run, size: str, reps: int, c, offset: int = 0, n_pools: int | None = None, name: str | None = None,
+                 version: str = "v2"):
+    seq = SIZES[size]
+    ix = c.dsa.indexer
+    n_pools = seq // ix.kpool if n_pools is None else n_pools
+    fused = ops.implementations("dsa_indexer_topk")[INDEXER_IMPLS[version]]
+
+    def make():
         q = (torch.randn(1, seq, ix.n_heads, ix.head_dim, device=DEV) * 0.3 + 0.2).bfloat16()
         keys = (torch.randn(1, n_pools, ix.head_dim, device=DEV) * 0.3 + 0.2).bfloat16()
         w = torch.randn(1, seq, ix.n_heads, device=DEV) * ix.n_heads**-0.5
         kw = dict(kpool=ix.kpool, topk_pools=ix.topk_pools, always_select_tail=True, softmax_scale=ix.head_dim**-0.5)
         return None, lambda: fused(q, keys, w, query_offset=offset, **kw), None
 
-    run.cell(f"indexer{c.dsa.indexer.n_heads}", size, indexer, reps)
-    if tp == 8 and size == "128k":
-        run.cell("idx-cp8-r7", size, lambda c=c: indexer(c, offset=7 * K128, n_pools=8 * K128 // c.dsa.indexer.kpool), 2)
+    run.cell(name or f"indexer{ix.n_heads}" + ("" if version == "v2" else "-v1"), size, make, reps)
+
+
+def indexer_versions(run: Run, size: str, reps: int) -> None:
+    """Both selections side by side at GLM-5.3-Flash's 32-head indexer (tp=1) and at tp=8's 4 heads."""
+    for tp in (1, 8):
+        for version in INDEXER_IMPLS:
+            indexer_cell(run, size, reps, config(tp), version=version)
 
 
 def moe_cell(run: Run, size: str, reps: int, local_experts: int) -> None:
@@ -304,10 +324,10 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled mHC cell")
     ap.add_argument("--groups", default="tp8,moe36,mlp,mhc,tp1,moe288",
                     help="which cell groups run, in this order's subset: tp8 (kda8, dsa8, SDPA, indexers), moe36, mlp, mhc, "
-                         "tp1 (kda64, dsa64 and their SDPA), moe288")
+                         "tp1 (kda64, dsa64 and their SDPA), moe288, indexers (v2 and v1 selections at 32 and 4 heads)")
     args = ap.parse_args()
     groups = {g.strip() for g in args.groups.split(",") if g.strip()}
-    unknown = groups - {"tp8", "moe36", "mlp", "mhc", "tp1", "moe288"}
+    unknown = groups - {"tp8", "moe36", "mlp", "mhc", "tp1", "moe288", "indexers"}
     if unknown:
         ap.error(f"unknown --groups {', '.join(sorted(unknown))}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -332,6 +352,8 @@ def main() -> None:
             layer_cells(run, size, reps, tp=1)
         if "moe288" in groups:
             moe_cell(run, size, reps, local_experts=288)
+        if "indexers" in groups:
+            indexer_versions(run, size, reps)
     print(f"\n{'cell':<14} {'size':>5} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | {'TFLOP/s':>7} | {'peak GiB':>8} | note")
     for r in run.rows:
         cols = [r.get(k) for k in ("fwd_ms", "ms", "tflops", "peak_gib")]

@@ -45,6 +45,7 @@ GROUP = 8
 # GENOLONG_INDEXER_V2_GROUP overrides it.
 V2_GROUP = 4
 ENV_V2_GROUP = "GENOLONG_INDEXER_V2_GROUP"
+ENV_V2_STREAMED = "GENOLONG_INDEXER_V2_STREAMED"  # "0": v1 where v2's pass 1 would stream q (more heads than it holds)
 BUDGET_BYTES = 2 << 30
 MIN_CHUNK = 64
 
@@ -258,15 +259,19 @@ def _triton():
     return indexer_triton
 
 
-def _check_v2_proven(triton_mod, index_q) -> None:
-    """The streamed pass-1 kernel (more heads than the resident one holds, e.g. GLM-5.3-Flash's 32)
-    has not yet run to completion on the H200 (its GPU test did not finish within 300 s on
-    2026-12-01), so the fused policy falls through to v1 there unless GENOLONG_INDEXER_V2_STREAMED=1
-    asks for it (the GPU tests do, to prove it)."""
+def _check_v2_streamed(triton_mod, index_q) -> None:
+    """With more heads than the resident pass-1 kernel holds (GLM-5.3-Flash's 32), v2 streams q
+    through pass 1. Proven on the H200 on 2026-12-03: its selection test passed at 32 heads and at
+    128k it ran 85.9 ms against v1's 129.3 (benchmarks/RESULTS.md, fifteenth session), so it is the
+    default; GENOLONG_INDEXER_V2_STREAMED=0 keeps v1 for those shapes (the comparison's old arm)."""
     heads, dim = index_q.shape[2], index_q.shape[3]
-    if not triton_mod.q_resident(heads, dim, triton_mod.BM2) and os.environ.get("GENOLONG_INDEXER_V2_STREAMED") != "1":
-        raise KernelUnsupported(f"v2's streamed pass 1 ({heads} heads) is not proven on the GPU yet; v1 runs "
-                                "(GENOLONG_INDEXER_V2_STREAMED=1 forces v2)")
+    setting = os.environ.get(ENV_V2_STREAMED, "1")
+    if setting not in ("0", "1"):
+        from genolong.errors import GenolongError
+
+        raise GenolongError(f"{ENV_V2_STREAMED}={setting!r} is not 0 or 1; unset it (v2 everywhere) or set 0 (v1 where pass 1 streams)")
+    if setting == "0" and not triton_mod.q_resident(heads, dim, triton_mod.BM2):
+        raise KernelUnsupported(f"{ENV_V2_STREAMED}=0: v1 runs for {heads} heads (v2's pass 1 would stream q)")
 
 
 def v2_group() -> int:
@@ -287,7 +292,7 @@ def dsa_indexer_topk_fused_select(index_q, pool_keys, head_weights, *, kpool, to
     triton_mod.check_supported(index_q, pool_keys)
     group = v2_group()
     triton_mod.check_supported_v2(kpool, topk_pools, group, pool_keys.shape[1])
-    _check_v2_proven(triton_mod, index_q)
+    _check_v2_streamed(triton_mod, index_q)
     return indexer_fused_select(index_q, pool_keys, head_weights, kpool=kpool, topk_pools=topk_pools, group=group,
                                 always_select_tail=always_select_tail, softmax_scale=softmax_scale, query_offset=query_offset,
                                 group_max=triton_mod.group_max_v2, select_groups=triton_mod.select_groups,

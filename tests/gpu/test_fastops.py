@@ -19,7 +19,7 @@ KW = dict(kpool=4, topk_pools=512, always_select_tail=True, softmax_scale=128**-
 def _setup(monkeypatch):
     kernels.load()
     monkeypatch.setattr(_common, "POISON", True)
-    monkeypatch.setenv("GENOLONG_INDEXER_V2_STREAMED", "1")  # prove the streamed pass 1 too
+    monkeypatch.delenv("GENOLONG_INDEXER_V2_STREAMED", raising=False)  # the default: v2, pass 1 streamed at 32 heads
     torch.manual_seed(0)
 
 

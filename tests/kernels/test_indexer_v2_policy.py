@@ -1,5 +1,6 @@
-"""The fused policy runs indexer v2 only where its pass-1 kernel is proven on the GPU (the
-resident kernel); with more heads it falls through to v1 unless asked for v2 explicitly."""
+"""The fused policy runs indexer v2 for every head count (the streamed pass 1 for more heads than
+the resident kernel holds, proven on the H200 on 2026-12-03); GENOLONG_INDEXER_V2_STREAMED=0 keeps
+v1 for those shapes, and a bad setting is a one-line error."""
 
 import pytest
 import torch
@@ -14,17 +15,26 @@ def _q(heads):
     return torch.zeros(1, 8, heads, 128, dtype=torch.bfloat16)
 
 
-def test_few_heads_pass_the_proven_check(monkeypatch):
+def test_every_head_count_runs_v2_by_default(monkeypatch):
     monkeypatch.delenv("GENOLONG_INDEXER_V2_STREAMED", raising=False)
-    indexer_topk._check_v2_proven(indexer_triton, _q(4))
+    for heads in (4, 32):
+        indexer_topk._check_v2_streamed(indexer_triton, _q(heads))
 
 
-def test_many_heads_fall_through_unless_forced(monkeypatch):
-    monkeypatch.delenv("GENOLONG_INDEXER_V2_STREAMED", raising=False)
-    with pytest.raises(KernelUnsupported, match="GENOLONG_INDEXER_V2_STREAMED=1"):
-        indexer_topk._check_v2_proven(indexer_triton, _q(32))
-    monkeypatch.setenv("GENOLONG_INDEXER_V2_STREAMED", "1")
-    indexer_topk._check_v2_proven(indexer_triton, _q(32))
+def test_streamed_shapes_fall_through_to_v1_only_when_asked(monkeypatch):
+    assert not indexer_triton.q_resident(32, 128, indexer_triton.BM2) and indexer_triton.q_resident(4, 128, indexer_triton.BM2)
+    monkeypatch.setenv("GENOLONG_INDEXER_V2_STREAMED", "0")
+    with pytest.raises(KernelUnsupported, match="GENOLONG_INDEXER_V2_STREAMED=0: v1 runs for 32 heads"):
+        indexer_topk._check_v2_streamed(indexer_triton, _q(32))
+    indexer_topk._check_v2_streamed(indexer_triton, _q(4))  # resident: v2 whatever the setting
+
+
+def test_a_bad_streamed_setting_is_one_line(monkeypatch):
+    from genolong.errors import GenolongError
+
+    monkeypatch.setenv("GENOLONG_INDEXER_V2_STREAMED", "yes")
+    with pytest.raises(GenolongError, match="GENOLONG_INDEXER_V2_STREAMED='yes' is not 0 or 1"):
+        indexer_topk._check_v2_streamed(indexer_triton, _q(4))
 
 
 def test_v2_runs_its_own_group_size_and_a_bad_setting_is_one_line(monkeypatch):
