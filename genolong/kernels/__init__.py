@@ -58,7 +58,20 @@ def load() -> dict[str, list[str]]:
             ops.register(op, impl, getattr(importlib.import_module(module), fn))
     for (op, impl), (module, fn) in REPLAYS.items():
         ops.register_replay(op, impl, getattr(importlib.import_module(module), fn))
+    _use_fused_kept_selection()
     return {op: list(ops.implementations(op)) for op in FUSED}
+
+
+def _use_fused_kept_selection() -> None:
+    """The kept selection's pack check and expansion as one Triton pass each, where triton imports
+    (kept_selection_triton.py decides per tensor: CUDA or the interpreter, int32, pools of 2^n)."""
+    from genolong.model import kept_selection
+
+    try:
+        from genolong.kernels import kept_selection_triton as fused
+    except ImportError:  # no triton: the PyTorch passes
+        return
+    kept_selection.FUSED.update(enabled=fused.enabled, pack=fused.pack, expand=fused.expand)
 
 
 def available() -> dict[str, str]:

@@ -48,6 +48,8 @@ ENV_FWD_MODE = "GENOLONG_SPARSE_MLA_FWD"
 # "sync": ask the GPU each query chunk whether its rows ascend (one host sync each: the old path)
 # instead of walking by the latest answer that has come back (row_order.py)
 ENV_ORDER = "GENOLONG_SPARSE_MLA_ORDER"
+# "torch": the key-chunked backward's row bounds by the PyTorch passes instead of one Triton pass
+ENV_BOUNDS = "GENOLONG_SPARSE_MLA_BOUNDS"
 ENV_SORT = "GENOLONG_SPARSE_MLA_SORT"  # "always": sort every row for the key-chunked pass (the old path)
 # "off": v1's backward keeps q and dO apart (5 products a slot block) even where it could stack them
 # into one operand (3 products: sparse_mla_triton._sparse_mla_bwd_row_packed); "on" (default): stack.
@@ -260,23 +262,32 @@ def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, always_sort: bool = F
     Without `order`: one host sync decides, and a range's keys always lie in its chunk. With the
     backward's `order` (row_order.py): no sync; the rows are walked as they are while the latest
     answer that has arrived says they ascend, and this chunk's answer is sent on. Rows that do not
-    ascend, walked so, give the same gradients (the kernel addresses keys absolutely), only slower."""
+    ascend, walked so, give the same gradients (the kernel addresses keys absolutely), only slower.
+    On CUDA the check and the ranges are one Triton pass (chunk_bounds_triton.py, the same integers;
+    GENOLONG_SPARSE_MLA_BOUNDS=torch keeps the PyTorch passes)."""
     def bounds(ascending):
         return torch.searchsorted(ascending, edges.expand(idx.shape[0], -1).contiguous(), out_int32=True)
 
     if not always_sort:
-        filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
-        suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
-        del filled
-        ascends = ((idx < 0) | (idx == suffix_min)).all()
+        if _bounds_setting() == "triton" and (idx.is_cuda or _interpreted()) and idx.dtype == torch.int32:
+            from genolong.kernels import chunk_bounds_triton
+
+            as_is_bounds, ascends = chunk_bounds_triton.ascending_bounds(idx.contiguous(), edges.contiguous())
+            suffix_min = None
+        else:
+            filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
+            suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
+            del filled
+            ascends = ((idx < 0) | (idx == suffix_min)).all()
+            as_is_bounds = None
         if order is not None:
             walk_as_is = order.latest()
             order.send(ascends)
         else:
             walk_as_is = bool(ascends)
         if walk_as_is:
-            return idx, bounds(suffix_min)
-        del suffix_min
+            return idx, bounds(suffix_min) if as_is_bounds is None else as_is_bounds
+        as_is_bounds = suffix_min = None
     walked = torch.sort(idx, dim=-1).values
     return walked, bounds(walked)
 
@@ -444,6 +455,15 @@ def _sort_setting() -> str:
     if value not in ("auto", "always"):
         raise GenolongError(f"{ENV_SORT}={value!r} is not a setting; set it to auto (sort rows whose keys do not ascend) or always, or unset it")
     return value
+
+
+def _bounds_setting() -> str:
+    """How key_chunk_rows finds the ranges of rows walked as they are: "triton" (default: one pass,
+    chunk_bounds_triton.py) or "torch" (the seven-pass PyTorch form, the measurement's old arm)."""
+    setting = os.environ.get(ENV_BOUNDS, "triton")
+    if setting not in ("triton", "torch"):
+        raise GenolongError(f"{ENV_BOUNDS}={setting!r} is not triton or torch; unset it or set one of those")
+    return setting
 
 
 def _key_chunk() -> int:

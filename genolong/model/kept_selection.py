@@ -5,7 +5,8 @@ the query's own incomplete pool: int32 [T, topk_pools * kpool + kpool - 1], 8 Ki
 GLM-5.3's 512 pools of 4, 4 GiB per DSA layer at 512k. Kept until backward in pinned host memory
 for 11 layers that is 44 GiB; as one pool index per group plus the tail slots it is 2 KiB a token,
 and expanding it again is one pass. A row whose groups are not whole pools in ascending token
-order (an implementation free to order a row otherwise, docs/ops.md) is kept as it is.
+order (an implementation free to order a row otherwise, docs/ops.md) is kept as it is. With the
+kernels loaded the check and the expansion run as one Triton pass each (FUSED below).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from genolong.model import ops
 
 # Rows compared per pass when checking that a selection packs (bounds the check's temporaries).
 _CHECK_ROWS = 1 << 16
+# One-pass versions of the check and the expansion, applied from outside by genolong.kernels.load()
+# (genolong/kernels/kept_selection_triton.py): "enabled"(t, kpool), "pack"(idx, kpool=, topk_pools=)
+# -> (pools, tail, differs), "expand"(pools, tail, kpool=). Empty: the PyTorch passes below.
+FUSED: dict = {}
 
 
 def pack_selection(idx: torch.Tensor, *, kpool: int, topk_pools: int) -> tuple[torch.Tensor, ...]:
@@ -24,6 +29,9 @@ def pack_selection(idx: torch.Tensor, *, kpool: int, topk_pools: int) -> tuple[t
     groups = topk_pools * kpool
     if kpool < 2 or idx.shape[-1] < groups:
         return (idx,)
+    if FUSED and FUSED["enabled"](idx, kpool):
+        pools, tail, differs = FUSED["pack"](idx, kpool=kpool, topk_pools=topk_pools)
+        return (idx,) if bool(differs) else (pools, tail)
     body = idx[..., :groups]
     pools = torch.div(body[..., ::kpool], kpool, rounding_mode="floor")  # -1 // kpool = -1
     flat_pools, flat_body = pools.reshape(-1, topk_pools), body.reshape(-1, groups)
@@ -42,6 +50,8 @@ def unpack_selection(kept: tuple[torch.Tensor, ...], *, kpool: int) -> torch.Ten
     if len(kept) == 1:
         return kept[0]
     pools, tail = kept
+    if FUSED and FUSED["enabled"](pools, kpool):
+        return FUSED["expand"](pools, tail, kpool=kpool)
     return torch.cat([_expand(pools, kpool), tail], dim=-1)
 
 

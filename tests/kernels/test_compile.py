@@ -130,3 +130,28 @@ def test_slot_major_sparse_backward_builds_as_warp_group_mmas_for_sm90():
     heads = k.aot_compile("bwd", 4, 512, k.Config(16, 16, 4, 5), ranged=True)
     assert slots.asm["ttgir"].count("warp_group_dot ") == 5 and "warp_group_dot " not in heads.asm["ttgir"]
     assert slots.metadata.shared <= aot.SM90_SHARED_BYTES
+
+
+@needs_triton
+@pytest.mark.parametrize("width, n_bounds", [(2051, 9), (2051, 65)])  # glm53-mini's W: 128k and 1M tokens of 16k-key chunks
+def test_chunk_bounds_pass_compiles_for_sm90_without_spills(width, n_bounds):
+    import triton
+
+    from genolong.kernels import aot, chunk_bounds_triton as cb
+
+    block = triton.next_power_of_2(width)
+    kernel = aot.build(cb._ascending_bounds_kernel,
+                       dict(idx_ptr="*i32", edges_ptr="*i32", bounds_ptr="*i32", flag_ptr="*i32", width="i32", n_bounds="i32"),
+                       dict(BW=block, NB=triton.next_power_of_2(n_bounds)), num_warps=8)
+    assert aot.ptxas_usage(kernel)[1] == 0  # no spills
+
+
+@needs_triton
+def test_kept_selection_passes_compile_for_sm90_without_spills():
+    from genolong.kernels import aot, kept_selection_triton as ks
+
+    args = dict(width="i32", topk="i32", tail_width="i32")
+    blocks = dict(KPOOL=4, TOPK_B=512, TAIL_B=4)  # glm53-mini / GLM-5.3: 512 pools of 4 and a 3-slot tail
+    pack = aot.build(ks._pack_kernel, dict(idx_ptr="*i32", pools_ptr="*i32", tail_ptr="*i32", flag_ptr="*i32", **args), blocks, num_warps=4)
+    expand = aot.build(ks._expand_kernel, dict(pools_ptr="*i32", tail_ptr="*i32", out_ptr="*i32", **args), blocks, num_warps=4)
+    assert aot.ptxas_usage(pack)[1] == 0 and aot.ptxas_usage(expand)[1] == 0  # no spills

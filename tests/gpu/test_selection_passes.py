@@ -1,0 +1,59 @@
+"""The one-pass integer kernels over the indexer's selection on a CUDA GPU (skipped without one):
+the key-chunked backward's row bounds (chunk_bounds_triton.py) and the kept selection's pack check
+and expansion (kept_selection_triton.py), each equal to its PyTorch form on the fused indexer's
+selection of 64k tokens (W = 2,051) and on rows that do not ascend or do not pack."""
+
+import pytest
+import torch
+
+import genolong.kernels as kernels
+from genolong.kernels import chunk_bounds_triton, sparse_mla
+from genolong.model import kept_selection
+from tests.gpu.test_kernels import _impl, _indexer_inputs
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+KW = dict(kpool=4, topk_pools=512, always_select_tail=True, softmax_scale=128**-0.5)
+
+
+@pytest.fixture(scope="module")
+def selection():
+    kernels.load()
+    torch.manual_seed(0)
+    q, keys, w = _indexer_inputs(65536)
+    return _impl("dsa_indexer_topk", "triton_fused_select")(q, keys, w, **KW)[0].contiguous()
+
+
+def _torch_bounds(idx, edges):
+    filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
+    suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
+    ascends = bool(((idx < 0) | (idx == suffix_min)).all())
+    return torch.searchsorted(suffix_min, edges.expand(idx.shape[0], -1).contiguous(), out_int32=True), ascends
+
+
+@pytest.mark.parametrize("key_chunk", [16384, 4096])
+def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk):
+    edges = torch.arange(0, selection.shape[0] + key_chunk, key_chunk, dtype=torch.int32, device=DEV)
+    bounds, ascends = chunk_bounds_triton.ascending_bounds(selection, edges)
+    want, want_ascends = _torch_bounds(selection, edges)
+    assert want_ascends and bool(ascends) and torch.equal(bounds, want)
+    broken = selection.clone()
+    broken[60000, 0], broken[60000, 1] = broken[60000, 1].item(), broken[60000, 0].item()  # a late row (all 512 pools valid) out of order
+    bounds, ascends = chunk_bounds_triton.ascending_bounds(broken, edges)
+    want, want_ascends = _torch_bounds(broken, edges)
+    assert not want_ascends and not bool(ascends) and torch.equal(bounds, want)
+
+
+def test_kept_selection_passes_equal_the_pytorch_passes(selection, monkeypatch):
+    idx = selection.view(1, *selection.shape)
+    got = kept_selection.pack_selection(idx, kpool=4, topk_pools=512)
+    monkeypatch.setattr(kept_selection, "FUSED", {})
+    want = kept_selection.pack_selection(idx, kpool=4, topk_pools=512)
+    assert len(got) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+    back_want = kept_selection.unpack_selection(want, kpool=4)
+    monkeypatch.undo()
+    assert kept_selection.FUSED  # installed by kernels.load()
+    assert torch.equal(kept_selection.unpack_selection(got, kpool=4), back_want) and torch.equal(back_want, idx)
+    shuffled = idx.clone()
+    shuffled[0, 60000, :4] = shuffled[0, 60000, :4].flip(-1)  # a late row: its first group is a real pool
+    assert len(kept_selection.pack_selection(shuffled, kpool=4, topk_pools=512)) == 1  # does not pack: kept whole
