@@ -32,7 +32,7 @@ from genolong.units import parse_length  # noqa: E402
 
 # First match wins; names are CUDA kernel names as the profiler reports them.
 CATEGORIES = [
-    ("sparse attention (TileLang)", r"sparse_mla|main_kernel|tilelang|sparse_attn|preprocess_kernel|postprocess_kernel"),
+    ("sparse attention (Triton sparse MLA or TileLang)", r"sparse_mla|main_kernel|tilelang|sparse_attn|preprocess_kernel|postprocess_kernel"),
     ("indexer pass 1 (Triton)", r"_group_max"),
     ("indexer pass 2 (Triton)", r"_candidate"),
     ("top-k / sort", r"topk|TopK|radix|sort|Sort|gatherTopK|bitonic"),
@@ -41,6 +41,7 @@ CATEGORIES = [
     ("host<->device copies", r"Memcpy|memcpy"),
     ("optimizer (foreach/fused)", r"multi_tensor|foreach|adam|Adam"),
     ("reductions / norms", r"reduce|Reduce|norm|Norm|softmax|Softmax|log_softmax|cross_entropy"),
+    ("selection bookkeeping (chunk bounds, kept pack / expand)", r"_chunk_bounds|_kept_selection"),
     ("elementwise / other", r"."),
 ]
 

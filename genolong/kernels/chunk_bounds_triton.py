@@ -26,7 +26,7 @@ def _min_combine(a, b):
 
 
 @triton.jit(do_not_specialize=["width", "n_bounds"])
-def _ascending_bounds_kernel(idx_ptr, edges_ptr, bounds_ptr, flag_ptr, width, n_bounds, BW: tl.constexpr, NB: tl.constexpr):
+def _chunk_bounds_kernel(idx_ptr, edges_ptr, bounds_ptr, flag_ptr, width, n_bounds, BW: tl.constexpr, NB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, BW)
     j = tl.load(idx_ptr + row * width + slot, mask=slot < width, other=-1)
@@ -51,7 +51,7 @@ def ascending_bounds(idx: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tens
     flag = torch.ones((), dtype=torch.int32, device=idx.device)
     if rows:
         block = triton.next_power_of_2(width)
-        _ascending_bounds_kernel[(rows,)](idx, edges, bounds, flag, width, edges.numel(), BW=block,
+        _chunk_bounds_kernel[(rows,)](idx, edges, bounds, flag, width, edges.numel(), BW=block,
                                           NB=triton.next_power_of_2(edges.numel()),
                                           num_warps=4 if block <= 2048 else 8)
     return bounds, flag.bool()

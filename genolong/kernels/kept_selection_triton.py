@@ -39,7 +39,7 @@ def enabled(t: torch.Tensor, kpool: int) -> bool:
 
 
 @triton.jit(do_not_specialize=["width", "topk", "tail_width"])
-def _pack_kernel(idx_ptr, pools_ptr, tail_ptr, flag_ptr, width, topk, tail_width,
+def _kept_selection_pack_kernel(idx_ptr, pools_ptr, tail_ptr, flag_ptr, width, topk, tail_width,
                  KPOOL: tl.constexpr, TOPK_B: tl.constexpr, TAIL_B: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, TOPK_B)
@@ -60,7 +60,7 @@ def _pack_kernel(idx_ptr, pools_ptr, tail_ptr, flag_ptr, width, topk, tail_width
 
 
 @triton.jit(do_not_specialize=["width", "topk", "tail_width"])
-def _expand_kernel(pools_ptr, tail_ptr, out_ptr, width, topk, tail_width,
+def _kept_selection_expand_kernel(pools_ptr, tail_ptr, out_ptr, width, topk, tail_width,
                    KPOOL: tl.constexpr, TOPK_B: tl.constexpr, TAIL_B: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, TOPK_B)
@@ -89,7 +89,7 @@ def pack(idx: torch.Tensor, *, kpool: int, topk_pools: int) -> tuple[torch.Tenso
     tail = torch.empty((rows.shape[0], tail_width), dtype=idx.dtype, device=idx.device)
     flag = torch.zeros((), dtype=torch.int32, device=idx.device)
     if rows.shape[0]:
-        _pack_kernel[(rows.shape[0],)](rows, pools, tail, flag, width, topk_pools, tail_width, KPOOL=kpool,
+        _kept_selection_pack_kernel[(rows.shape[0],)](rows, pools, tail, flag, width, topk_pools, tail_width, KPOOL=kpool,
                                        **_blocks(topk_pools, tail_width), num_warps=4)
     lead = idx.shape[:-1]
     return pools.view(*lead, topk_pools), tail.view(*lead, tail_width), flag.bool()
@@ -103,5 +103,5 @@ def expand(pools: torch.Tensor, tail: torch.Tensor, *, kpool: int) -> torch.Tens
     p, t = pools.reshape(n, topk).contiguous(), tail.reshape(n, tail_width).contiguous()  # n, not -1: a tail may be empty
     out = torch.empty((n, width), dtype=pools.dtype, device=pools.device)
     if p.shape[0]:
-        _expand_kernel[(p.shape[0],)](p, t, out, width, topk, tail_width, KPOOL=kpool, **_blocks(topk, tail_width), num_warps=4)
+        _kept_selection_expand_kernel[(p.shape[0],)](p, t, out, width, topk, tail_width, KPOOL=kpool, **_blocks(topk, tail_width), num_warps=4)
     return out.view(*pools.shape[:-1], width)

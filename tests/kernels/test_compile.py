@@ -140,7 +140,7 @@ def test_chunk_bounds_pass_compiles_for_sm90_without_spills(width, n_bounds):
     from genolong.kernels import aot, chunk_bounds_triton as cb
 
     block = triton.next_power_of_2(width)
-    kernel = aot.build(cb._ascending_bounds_kernel,
+    kernel = aot.build(cb._chunk_bounds_kernel,
                        dict(idx_ptr="*i32", edges_ptr="*i32", bounds_ptr="*i32", flag_ptr="*i32", width="i32", n_bounds="i32"),
                        dict(BW=block, NB=triton.next_power_of_2(n_bounds)), num_warps=8)
     assert aot.ptxas_usage(kernel)[1] == 0  # no spills
@@ -152,6 +152,6 @@ def test_kept_selection_passes_compile_for_sm90_without_spills():
 
     args = dict(width="i32", topk="i32", tail_width="i32")
     blocks = dict(KPOOL=4, TOPK_B=512, TAIL_B=4)  # glm53-mini / GLM-5.3: 512 pools of 4 and a 3-slot tail
-    pack = aot.build(ks._pack_kernel, dict(idx_ptr="*i32", pools_ptr="*i32", tail_ptr="*i32", flag_ptr="*i32", **args), blocks, num_warps=4)
-    expand = aot.build(ks._expand_kernel, dict(pools_ptr="*i32", tail_ptr="*i32", out_ptr="*i32", **args), blocks, num_warps=4)
+    pack = aot.build(ks._kept_selection_pack_kernel, dict(idx_ptr="*i32", pools_ptr="*i32", tail_ptr="*i32", flag_ptr="*i32", **args), blocks, num_warps=4)
+    expand = aot.build(ks._kept_selection_expand_kernel, dict(pools_ptr="*i32", tail_ptr="*i32", out_ptr="*i32", **args), blocks, num_warps=4)
     assert aot.ptxas_usage(pack)[1] == 0 and aot.ptxas_usage(expand)[1] == 0  # no spills
