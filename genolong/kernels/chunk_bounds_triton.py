@@ -8,7 +8,9 @@ values and int64 positions), the comparison, an all and a searchsorted: seven pa
 [rows, W] selection, ~70 ms of a 128k glm53-mini step (profile of 2026-12-03). Here one program
 per row loads the row once, scans it in registers and writes its C + 1 bounds and whether it
 ascends (one int32 flag for the launch, lowered with an atomic min). Integer arithmetic only: the
-result equals the PyTorch form's exactly (tests/kernels/test_chunk_bounds.py, in the interpreter).
+result equals the PyTorch form's exactly (tests/kernels/test_chunk_bounds.py, in the interpreter;
+tests/gpu/test_selection_passes.py on the H200). Opt-in (GENOLONG_SPARSE_MLA_BOUNDS=triton): a 128k
+step with it was not measurably faster (2026-12-03, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ from their expansion (one int32 flag for the launch, raised with an atomic max);
 one program per row writing the whole row. Integer arithmetic only: the same tensors as the
 PyTorch form (tests/kernels/test_kept_selection_triton.py, in the interpreter).
 
-`GENOLONG_KEPT_SELECTION=torch` keeps the PyTorch passes.
+Opt-in, `GENOLONG_KEPT_SELECTION=triton`: equal to the PyTorch passes on the H200 (tests/gpu/
+test_selection_passes.py), but a 128k step with it and the fused row bounds was not measurably
+faster (2026-12-03, one step an arm: 7.44 / 6.97 s against 6.85 / 7.04 s; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ ENV = "GENOLONG_KEPT_SELECTION"
 
 def enabled(t: torch.Tensor, kpool: int) -> bool:
     """Whether the fused passes take this selection: int32 on CUDA (or in Triton's interpreter), a
-    power-of-two pool size, and not switched off."""
-    setting = os.environ.get(ENV, "triton")
+    power-of-two pool size, and asked for (GENOLONG_KEPT_SELECTION=triton)."""
+    setting = os.environ.get(ENV, "torch")
     if setting not in ("triton", "torch"):
         raise GenolongError(f"{ENV}={setting!r} is not triton or torch; unset it or set one of those")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"

@@ -48,7 +48,7 @@ ENV_FWD_MODE = "GENOLONG_SPARSE_MLA_FWD"
 # "sync": ask the GPU each query chunk whether its rows ascend (one host sync each: the old path)
 # instead of walking by the latest answer that has come back (row_order.py)
 ENV_ORDER = "GENOLONG_SPARSE_MLA_ORDER"
-# "torch": the key-chunked backward's row bounds by the PyTorch passes instead of one Triton pass
+# "triton": the key-chunked backward's row bounds in one Triton pass instead of the PyTorch passes (opt-in)
 ENV_BOUNDS = "GENOLONG_SPARSE_MLA_BOUNDS"
 ENV_SORT = "GENOLONG_SPARSE_MLA_SORT"  # "always": sort every row for the key-chunked pass (the old path)
 # "off": v1's backward keeps q and dO apart (5 products a slot block) even where it could stack them
@@ -263,8 +263,8 @@ def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, always_sort: bool = F
     backward's `order` (row_order.py): no sync; the rows are walked as they are while the latest
     answer that has arrived says they ascend, and this chunk's answer is sent on. Rows that do not
     ascend, walked so, give the same gradients (the kernel addresses keys absolutely), only slower.
-    On CUDA the check and the ranges are one Triton pass (chunk_bounds_triton.py, the same integers;
-    GENOLONG_SPARSE_MLA_BOUNDS=torch keeps the PyTorch passes)."""
+    With GENOLONG_SPARSE_MLA_BOUNDS=triton the check and the ranges are one Triton pass
+    (chunk_bounds_triton.py, the same integers)."""
     def bounds(ascending):
         return torch.searchsorted(ascending, edges.expand(idx.shape[0], -1).contiguous(), out_int32=True)
 
@@ -458,9 +458,10 @@ def _sort_setting() -> str:
 
 
 def _bounds_setting() -> str:
-    """How key_chunk_rows finds the ranges of rows walked as they are: "triton" (default: one pass,
-    chunk_bounds_triton.py) or "torch" (the seven-pass PyTorch form, the measurement's old arm)."""
-    setting = os.environ.get(ENV_BOUNDS, "triton")
+    """How key_chunk_rows finds the ranges of rows walked as they are: "torch" (default: the seven
+    PyTorch passes) or "triton" (one pass, chunk_bounds_triton.py: equal on the H200, but a 128k step
+    with it and the fused kept selection was not measurably faster, 2026-12-03: opt-in)."""
+    setting = os.environ.get(ENV_BOUNDS, "torch")
     if setting not in ("triton", "torch"):
         raise GenolongError(f"{ENV_BOUNDS}={setting!r} is not triton or torch; unset it or set one of those")
     return setting

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import genolong.kernels as kernels
-from genolong.kernels import chunk_bounds_triton, sparse_mla
+from genolong.kernels import chunk_bounds_triton
 from genolong.model import kept_selection
 from tests.gpu.test_kernels import _impl, _indexer_inputs
 
@@ -45,14 +45,20 @@ def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk):
 
 
 def test_kept_selection_passes_equal_the_pytorch_passes(selection, monkeypatch):
+    from genolong.kernels import kept_selection_triton
+
+    monkeypatch.setenv(kept_selection_triton.ENV, "triton")  # opt-in
     idx = selection.view(1, *selection.shape)
     got = kept_selection.pack_selection(idx, kpool=4, topk_pools=512)
-    monkeypatch.setattr(kept_selection, "FUSED", {})
-    want = kept_selection.pack_selection(idx, kpool=4, topk_pools=512)
+    fused = dict(kept_selection.FUSED)
+    assert fused  # installed by kernels.load()
+    kept_selection.FUSED.clear()
+    try:
+        want = kept_selection.pack_selection(idx, kpool=4, topk_pools=512)
+        back_want = kept_selection.unpack_selection(want, kpool=4)
+    finally:
+        kept_selection.FUSED.update(fused)
     assert len(got) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
-    back_want = kept_selection.unpack_selection(want, kpool=4)
-    monkeypatch.undo()
-    assert kept_selection.FUSED  # installed by kernels.load()
     assert torch.equal(kept_selection.unpack_selection(got, kpool=4), back_want) and torch.equal(back_want, idx)
     shuffled = idx.clone()
     shuffled[0, 60000, :4] = shuffled[0, 60000, :4].flip(-1)  # a late row: its first group is a real pool

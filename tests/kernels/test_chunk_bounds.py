@@ -3,15 +3,12 @@ interpreter: the same bounds and the same "rows ascend" answer as the PyTorch pa
 sparse_mla.key_chunk_rows, on rows with empty slots first, inside and last, all-empty rows, widths
 that are not a power of two, keys on the chunk edges, and rows that do not ascend."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from tests.kernels.interpreted import run_cases  # noqa: E402
 
 from genolong.errors import GenolongError
 from genolong.kernels import sparse_mla
@@ -63,11 +60,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600)
-    results = {r["name"]: r for r in (json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
-    assert len(results) == len(CASES), run.stdout[-2000:] + run.stderr[-4000:]
-    return results
+    return run_cases(_INTERPRETED, CASES)
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])

@@ -4,15 +4,12 @@ genolong/model/kept_selection.py, for rows that pack (with empty pools), rows th
 out of order inside a group, a stray negative), no tail, a tail, and a pool count that is not a
 power of two."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from tests.kernels.interpreted import run_cases  # noqa: E402
 
 from genolong.errors import GenolongError
 from genolong.kernels import kept_selection_triton
@@ -64,11 +61,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600)
-    results = {r["name"]: r for r in (json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
-    assert len(results) == len(CASES), run.stdout[-2000:] + run.stderr[-4000:]
-    return results
+    return run_cases(_INTERPRETED, CASES, {kept_selection_triton.ENV: "triton"})
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
@@ -78,10 +71,12 @@ def test_fused_passes_keep_and_give_back_what_the_pytorch_ones_do(interpreted, n
     assert r["packed"] == (not any(k in name for k in ("out of order", "stray"))), r
 
 
-def test_only_int32_selections_with_power_of_two_pools_take_the_fused_passes(monkeypatch):
+def test_only_int32_selections_with_power_of_two_pools_take_the_fused_passes_when_asked(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv(kept_selection_triton.ENV, raising=False)
     t = torch.zeros(2, 7, dtype=torch.int32)
+    assert not kept_selection_triton.enabled(t, 4)  # opt-in
+    monkeypatch.setenv(kept_selection_triton.ENV, "triton")
     assert kept_selection_triton.enabled(t, 4) and not kept_selection_triton.enabled(t, 3)
     assert not kept_selection_triton.enabled(t.long(), 4)
     monkeypatch.setenv(kept_selection_triton.ENV, "torch")

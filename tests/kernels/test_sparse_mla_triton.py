@@ -198,7 +198,9 @@ for name, c in json.loads(sys.argv[1]).items():
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    # The key-chunked cases walk rows with the one-pass bounds (opt-in on the GPU); the PyTorch form
+    # is what the key_chunk_rows tests below run.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", sparse_mla.ENV_BOUNDS: "triton"}
     run = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600)
     results = {r["name"]: r for r in (json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
     assert len(results) == len(CASES), run.stdout[-2000:] + run.stderr[-4000:]
