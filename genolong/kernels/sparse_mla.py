@@ -272,22 +272,21 @@ def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, always_sort: bool = F
         if _bounds_setting() == "triton" and (idx.is_cuda or _interpreted()) and idx.dtype == torch.int32:
             from genolong.kernels import chunk_bounds_triton
 
-            as_is_bounds, ascends = chunk_bounds_triton.ascending_bounds(idx.contiguous(), edges.contiguous())
-            suffix_min = None
+            ranges, ascends = chunk_bounds_triton.ascending_bounds(idx.contiguous(), edges.contiguous())
         else:
             filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
             suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
             del filled
             ascends = ((idx < 0) | (idx == suffix_min)).all()
-            as_is_bounds = None
+            ranges = None  # searched on suffix_min below, only if the rows are walked as they are
         if order is not None:
             walk_as_is = order.latest()
             order.send(ascends)
         else:
             walk_as_is = bool(ascends)
         if walk_as_is:
-            return idx, bounds(suffix_min) if as_is_bounds is None else as_is_bounds
-        as_is_bounds = suffix_min = None
+            return idx, ranges if ranges is not None else bounds(suffix_min)
+        ranges = suffix_min = None  # freed before the sort
     walked = torch.sort(idx, dim=-1).values
     return walked, bounds(walked)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import genolong.kernels as kernels
-from genolong.kernels import chunk_bounds_triton
+from genolong.kernels import chunk_bounds_triton, sparse_mla
+from genolong.kernels.row_order import RowOrder
 from genolong.model import kept_selection
 from tests.gpu.test_kernels import _impl, _indexer_inputs
 
@@ -25,14 +26,18 @@ def selection():
 
 
 def _torch_bounds(idx, edges):
-    filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
-    suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
-    ascends = bool(((idx < 0) | (idx == suffix_min)).all())
-    return torch.searchsorted(suffix_min, edges.expand(idx.shape[0], -1).contiguous(), out_int32=True), ascends
+    """key_chunk_rows' PyTorch passes (the default): a fresh order walks the rows as they are, so they
+    come back with their suffix-minimum ranges even when they do not ascend; its answer, once arrived."""
+    order = RowOrder()
+    walked, bounds = sparse_mla.key_chunk_rows(idx, edges, order=order)
+    assert walked is idx
+    torch.cuda.synchronize()
+    return bounds, order.latest()
 
 
 @pytest.mark.parametrize("key_chunk", [16384, 4096])
-def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk):
+def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk, monkeypatch):
+    monkeypatch.delenv(sparse_mla.ENV_BOUNDS, raising=False)
     edges = torch.arange(0, selection.shape[0] + key_chunk, key_chunk, dtype=torch.int32, device=DEV)
     bounds, ascends = chunk_bounds_triton.ascending_bounds(selection, edges)
     want, want_ascends = _torch_bounds(selection, edges)

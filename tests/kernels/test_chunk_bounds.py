@@ -16,14 +16,17 @@ from genolong.kernels import sparse_mla
 _INTERPRETED = r"""
 import json, sys
 import torch
-from genolong.kernels import chunk_bounds_triton
+from genolong.kernels import chunk_bounds_triton, sparse_mla
+from genolong.kernels.row_order import RowOrder
 
 def torch_form(idx, edges):
-    filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
-    suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
-    ascends = bool(((idx < 0) | (idx == suffix_min)).all())
-    bounds = torch.searchsorted(suffix_min, edges.expand(idx.shape[0], -1).contiguous(), out_int32=True)
-    return bounds, ascends
+    # key_chunk_rows' PyTorch passes (GENOLONG_SPARSE_MLA_BOUNDS unset): with a fresh order the rows are
+    # walked as they are, so it returns the suffix-minimum ranges even for rows that do not ascend,
+    # and the order holds its answer (on the CPU it arrives at once).
+    order = RowOrder()
+    walked, bounds = sparse_mla.key_chunk_rows(idx, edges, order=order)
+    assert walked is idx
+    return bounds, order.latest()
 
 for case in json.loads(sys.argv[1]):
     g = torch.Generator().manual_seed(case["seed"])
