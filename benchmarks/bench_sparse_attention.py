@@ -58,13 +58,17 @@ from genolong.model.dsa import sparse_attention_reference  # noqa: E402
 
 DEV = "cuda"
 LATENT = 512
-IMPLS = ("triton-keychunk", "triton-atomic", "triton-grouped", "megatron", "sdpa")
-FWD_IMPLS = ("triton-fwd", "triton-grouped-fwd", "megatron-fwd")
+IMPLS = ("triton-keychunk", "triton-kcfwd", "triton-atomic", "triton-grouped", "megatron", "sdpa")
+FWD_IMPLS = ("triton-fwd", "triton-kcfwd-fwd", "triton-grouped-fwd", "megatron-fwd")
+# The key-chunked forward alone with another key chunk: triton-kcfwd<keys per chunk>-fwd; v1's
+# forward alone with a pinned launch config: triton-cfg<HB>x<BN>x<warps>x<stages>-fwd.
+KCFWD_PREFIX = "triton-kcfwd"
 PROBES = ("probe-grouped-bwd", "probe-grouped-bwd-nodkv", "probe-keychunk-bwd", "probe-pack")
 # v1's backward probes, any of: probe-{keychunk,atomic}-bwd[-nodkv|-store][-nopack][-kc<keys per chunk>][-cfg<HB>x<BN>x<warps>x<stages>[t]]
 # (-nodkv: no dkv products or adds; -store: plain stores instead of the adds; wrong dkv both;
 # -nopack: q and dO kept apart (GENOLONG_SPARSE_MLA_PACK=off); -cfg: another pinned launch config, "t" its slot-major form).
 PROBE_CONFIG = sparse_mla_triton.Config(16, 16, 4, 5)
+PARITY_MODES = ("atomic", "keychunk", "grouped", "kcfwd")
 
 
 def parse_probe(impl: str) -> tuple[str, str, int, sparse_mla_triton.Config, bool]:
@@ -91,13 +95,33 @@ def parse_probe(impl: str) -> tuple[str, str, int, sparse_mla_triton.Config, boo
 def is_impl(impl: str) -> bool:
     if impl in IMPLS + FWD_IMPLS + PROBES:
         return True
+    if kcfwd_chunk(impl) or forward_config(impl):
+        return True
     if impl.startswith("probe-") and impl != "probe-pack":
         parse_probe(impl)
         return True
     return False
+def forward_config(impl: str) -> sparse_mla_triton.Config | None:
+    """The pinned launch config of a triton-cfg<HB>x<BN>x<warps>x<stages>-fwd cell (v1's forward
+    alone with that config instead of the timed candidates); None for any other name."""
+    numbers = impl.removeprefix("triton-cfg").removesuffix("-fwd").split("x")
+    if impl.startswith("triton-cfg") and impl.endswith("-fwd") and len(numbers) == 4 and all(n.isdigit() and int(n) > 0 for n in numbers):
+        return sparse_mla_triton.Config(*map(int, numbers))
+    return None
+
+
+def kcfwd_chunk(impl: str) -> int | None:
+    """The keys per chunk of a triton-kcfwd<keys>-fwd cell (None for any other name)."""
+    digits = impl.removeprefix(KCFWD_PREFIX).removesuffix("-fwd")
+    if impl.startswith(KCFWD_PREFIX) and impl.endswith("-fwd") and digits.isdigit() and int(digits) > 0:
+        return int(digits)
+    return None
+
+
 # impl -> (forward mode, dkv mode) of sparse_mla.sparse_mla
-TRITON_MODES = {"triton-keychunk": ("query", "keychunk"), "triton-atomic": ("query", "atomic"),
-                "triton-grouped": ("grouped", "grouped"), "triton-fwd": ("query", None), "triton-grouped-fwd": ("grouped", None)}
+TRITON_MODES = {"triton-keychunk": ("query", "keychunk"), "triton-kcfwd": ("keychunk", "keychunk"), "triton-atomic": ("query", "atomic"),
+                "triton-grouped": ("grouped", "grouped"), "triton-fwd": ("query", None), "triton-kcfwd-fwd": ("keychunk", None),
+                "triton-grouped-fwd": ("grouped", None)}
 # (size, heads) in priority order: the issue's targets first (4 heads, 128k), 512k last.
 PLAN = [("128k", 4), ("128k", 16), ("128k", 8), ("64k", 4), ("64k", 8), ("64k", 16), ("64k", 64),
         ("512k", 4), ("128k", 64), ("512k", 8), ("512k", 16)]
@@ -121,6 +145,16 @@ PRESETS = {
         ("128k", 4, "probe-keychunk-bwd-kc2048"), ("128k", 4, "probe-keychunk-bwd-kc4096"), ("128k", 4, "probe-keychunk-bwd-kc16384"),
         ("128k", 16, "probe-keychunk-bwd"), ("128k", 16, "probe-keychunk-bwd-nodkv"),
         ("512k", 4, "probe-keychunk-bwd"), ("512k", 4, "probe-keychunk-bwd-kc4096"), ("512k", 4, "probe-keychunk-bwd-nodkv")]),
+    # The key-chunked forward (fwd_mode "keychunk", 2026-12-03, sixteenth session) beside v1's query
+    # forward and the grouped one: forward alone at its default key chunk (32,768) and others, then
+    # forward + backward with the default backward; parity of its configs first. No TileLang.
+    "kcfwd": dict(parity_modes="kcfwd", cells=[
+        ("128k", 4, "triton-kcfwd-fwd"), ("128k", 4, "triton-fwd"), ("128k", 4, "triton-kcfwd16384-fwd"),
+        ("128k", 4, "triton-grouped-fwd"), ("128k", 4, "triton-kcfwd"), ("128k", 4, "triton-keychunk"),
+        ("512k", 4, "triton-kcfwd-fwd"), ("512k", 4, "triton-fwd"), ("512k", 4, "triton-kcfwd16384-fwd"),
+        ("128k", 16, "triton-kcfwd-fwd"), ("128k", 16, "triton-fwd"), ("128k", 8, "triton-kcfwd-fwd"), ("128k", 8, "triton-fwd"),
+        ("64k", 64, "triton-kcfwd-fwd"), ("64k", 64, "triton-fwd"), ("128k", 4, "triton-kcfwd8192-fwd"),
+        ("512k", 4, "triton-kcfwd"), ("512k", 4, "triton-keychunk")]),
     # The grouped passes' parity on the GPU and their time beside the default (v1 keychunk) at
     # 128k for 4, 16 and 64 heads, then 512k at 4 heads: no TileLang, no probes (< 200 s cold).
     "grouped-check": dict(parity_modes="grouped", cells=[
@@ -145,6 +179,10 @@ def sparse_fn(impl: str, scale: float):
     if impl.startswith("megatron"):
         tilelang = ops.implementations("dsa_sparse_attention")["tilelang_sparse_mla"]
         return lambda q, kv, idx: tilelang(q, kv, idx, scale=scale)
+    if kcfwd_chunk(impl):
+        return lambda q, kv, idx: sparse_mla.sparse_mla(q, kv, idx, scale=scale, fwd_mode="keychunk", fwd_key_chunk=kcfwd_chunk(impl))
+    if forward_config(impl):
+        return lambda q, kv, idx: sparse_mla.sparse_mla(q, kv, idx, scale=scale, configs={"fwd": forward_config(impl)})
     fwd_mode, dkv_mode = TRITON_MODES[impl]
     return lambda q, kv, idx: sparse_mla.sparse_mla(q, kv, idx, scale=scale, fwd_mode=fwd_mode, dkv_mode=dkv_mode or "atomic")
 
@@ -174,13 +212,16 @@ def parity(scale: float, log, modes: list[str]) -> None:
         ref.backward(dout.float())
         lse_ref = lse_reference(q, kv, idx, scale)
         for mode in modes:
-            fwd_mode = "grouped" if mode == "grouped" else "query"
-            suffix = "_grouped" if mode == "grouped" else ""
-            fwd, bwd = sparse_mla.candidates("fwd" + suffix, heads, LATENT), sparse_mla.candidates("bwd" + suffix, heads, LATENT)
+            # "kcfwd": the key-chunked forward's configs, with the key-chunked backward's
+            fwd_mode = {"grouped": "grouped", "kcfwd": "keychunk"}.get(mode, "query")
+            fwd_kind = {"grouped": "fwd_grouped", "kcfwd": "fwd_keychunk"}.get(mode, "fwd")
+            fwd = sparse_mla.candidates(fwd_kind, heads, LATENT)
+            bwd = sparse_mla.candidates("bwd_grouped" if mode == "grouped" else "bwd", heads, LATENT)
             for n in range(max(len(fwd), len(bwd))):
                 configs = {"fwd": fwd[min(n, len(fwd) - 1)], "bwd": bwd[min(n, len(bwd) - 1)]}
                 a, b = q.clone().requires_grad_(), kv.clone().requires_grad_()
-                out, lse = sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True, dkv_mode=mode, fwd_mode=fwd_mode,
+                out, lse = sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True, dkv_mode="keychunk" if mode == "kcfwd" else mode,
+                                                 fwd_mode=fwd_mode,
                                                  key_chunk=1024, configs=configs)
                 out.backward(dout)
                 err = {name: ((x.float() - r).norm() / r.norm()).item() for name, x, r in
@@ -261,7 +302,8 @@ def main() -> None:
     ap.add_argument("--plan", default="", help="size:heads,... instead of the default plan")
     ap.add_argument("--cells", default="", help="size:heads:impl,... in priority order (instead of plan x impls)")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a named list of cells and parity modes")
-    ap.add_argument("--parity-modes", default="atomic,keychunk,grouped", help="dkv modes whose configs the parity checks")
+    ap.add_argument("--parity-modes", default="atomic,keychunk,grouped",
+                    help=f"what the parity checks: {', '.join(PARITY_MODES)} (dkv modes; kcfwd: the key-chunked forward with the keychunk backward)")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--tilelang-cached", default="", help="head counts whose TileLang builds are in the cache (no build time budgeted)")
     args = ap.parse_args()
@@ -274,6 +316,8 @@ def main() -> None:
         parity_modes = PRESETS[args.preset]["parity_modes"].split(",")
     else:
         parity_modes = [m for m in args.parity_modes.split(",") if m]
+        if set(parity_modes) - set(PARITY_MODES):
+            sys.exit(f"unknown parity modes {sorted(set(parity_modes) - set(PARITY_MODES))}; known: {', '.join(PARITY_MODES)}")
         if args.cells:
             cells = [(s, int(h), i) for s, h, i in (c.split(":") for c in args.cells.split(",") if c)]
         else:

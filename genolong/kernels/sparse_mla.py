@@ -20,9 +20,13 @@ dkv, two ways (`dkv_mode`):
   groups of consecutive queries stacked into the tensor-core rows; dq in an fp32 buffer between
   launches.
 
-The forward, two ways (`fwd_mode`): "query" (one program per query, all its slots) or "grouped"
-(as the grouped backward; the online-softmax state in fp32 buffers between launches, key chunks
-of `fwd_key_chunk`, twice the backward's by default: no dkv shares the L2).
+The forward, three ways (`fwd_mode`): "query" (one program per query, all its slots: the gathers
+come from DRAM), "keychunk" (the rows as the key-chunked backward walks them, key_chunk_rows,
+one launch per key chunk of `fwd_key_chunk` keys, one query a program: the gathers of a launch
+come from the chunk in L2; the online-softmax state in fp32 buffers between launches; no
+packing or sort) or "grouped" (as the grouped backward: consecutive queries stacked, their
+selections packed and sorted together). `fwd_key_chunk` is twice the backward's by default: no
+dkv shares the L2.
 
 Launch configurations are timed on first use per (kernel, heads, width, dtype) on the GPU (a
 few candidates, on the last 16k rows of the call: the fullest selections, the most key chunks)
@@ -55,7 +59,7 @@ ENV_SORT = "GENOLONG_SPARSE_MLA_SORT"  # "always": sort every row for the key-ch
 # into one operand (3 products: sparse_mla_triton._sparse_mla_bwd_row_packed); "on" (default): stack.
 ENV_PACK = "GENOLONG_SPARSE_MLA_PACK"
 DKV_MODES = ("atomic", "keychunk", "grouped")
-FWD_MODES = ("query", "grouped")
+FWD_MODES = ("query", "keychunk", "grouped")
 DEFAULT_DKV_MODE = "keychunk"
 DEFAULT_FWD_MODE = "query"
 # Keys per chunk of the key-chunked backward: 16 MiB of bf16 kv + 32 MiB of fp32 dkv, about an H200's
@@ -104,6 +108,10 @@ def candidates(kind: str, heads: int, dim: int) -> list:
     hb = head_block(heads)
     if kind.endswith("_grouped"):
         found = _grouped_candidates(kind, heads)
+    elif kind == "fwd_keychunk":
+        # The grouped forward kernel with one query a program; beyond 16 heads 32-head blocks (a
+        # 64-head program holding the fp32 state spills, as the grouped forward's does).
+        found = [Config(16, 32, 8, 5), Config(16, 64, 8, 5), Config(16, 32, 4, 5)] if hb == 16 else [Config(32, 32, 8, 5), Config(32, 64, 8, 5)]
     elif kind.startswith("fwd"):
         found = [Config(16, 32, 8, 5), Config(16, 64, 8, 5), Config(16, 64, 8, 4)] if hb == 16 else [Config(hb, 32, 8, 5), Config(32, 32, 8, 5)]
     else:
@@ -191,6 +199,8 @@ def _forward(q, kv, idx, scale, mode="query", key_chunk=2 * KEY_CHUNK, budget_by
 
     if mode == "grouped":
         return _forward_grouped(q, kv, idx, scale, key_chunk, budget_bytes, config)
+    if mode == "keychunk" and kv.shape[1] > key_chunk:
+        return _forward_keychunk(q, kv, idx, scale, key_chunk, budget_bytes, config)
     batch, seq, heads, dim = q.shape
     rows = q.view(-1, heads, dim)
     flat_idx = idx.view(batch * seq, idx.shape[-1])
@@ -237,6 +247,56 @@ def _forward_grouped(q, kv, idx, scale, key_chunk, budget_bytes, config):
     n_chunks = max(1, math.ceil(kv.shape[1] / key_chunk))
     run(_query_chunks(batch, seq, grouped.rows_per_chunk(width, heads, dim, n_chunks, config.query_group, budget_bytes, ROW_ALIGN)),
         config)
+    return out.view(q.shape), lse.view(batch, seq, heads)
+
+
+def forward_row_bytes(width: int, heads: int, dim: int, n_chunks: int) -> int:
+    """Transient bytes per query row of the key-chunked forward: key_chunk_rows' (as the backward's)
+    and the fp32 online-softmax state (acc, m, l)."""
+    return width * 20 + (n_chunks + 1) * 12 + heads * (dim + 2) * 4
+
+
+def _forward_keychunk(q, kv, idx, scale, key_chunk, budget_bytes, config):
+    """out and lse, key chunk by key chunk: per query chunk, the rows as key_chunk_rows walks them
+    (as they are where they ascend, which is learned without a host sync, else sorted) and each key
+    chunk's slot ranges; then one launch per key chunk of the grouped forward kernel with one query
+    a program, which continues the online softmax from the fp32 state the earlier chunks left. Every
+    valid slot lies in exactly one range, so a row walked unsorted gets the same result."""
+    from genolong.kernels import sparse_mla_grouped as grouped
+    from genolong.kernels import sparse_mla_grouped_triton as k
+
+    batch, seq, heads, dim = q.shape
+    seq_kv = kv.shape[1]
+    n_rows, width = batch * seq, idx.shape[-1]
+    rows, flat_idx = q.view(n_rows, heads, dim), idx.view(n_rows, width)
+    out = _common.empty(rows.shape, dtype=q.dtype, device=q.device)
+    lse = _common.empty(rows.shape[:2], dtype=torch.float32, device=q.device)
+    n_chunks = max(1, math.ceil(seq_kv / key_chunk))
+    edges = torch.arange(n_chunks + 1, device=q.device, dtype=torch.int32) * key_chunk
+    always_sort = _sort_setting() == "always"
+    order = ROW_ORDER if _order_setting() == "async" else None
+
+    def run(chunks, c):
+        for b, r0, r1 in chunks:
+            walked, bounds = key_chunk_rows(flat_idx[r0:r1], edges, always_sort, order)
+            n = r1 - r0
+            # A row's first chunk does not read acc (m = -inf there), so acc needs no zeros.
+            acc = torch.empty((n, heads, dim), dtype=torch.float32, device=q.device)
+            m = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+            l = torch.zeros((n, heads), dtype=torch.float32, device=q.device)
+            # Launches of chunks a query chunk's rows do not reach end at once (no host sync to skip them).
+            for chunk in range(n_chunks):
+                k.forward_chunk(rows[r0:r1], kv[b], walked, bounds, acc, m, l, chunk=chunk, groups=(0, n), scale=scale, config=c)
+            # l >= 1 wherever a key was seen (the maximum's own term) and 0 where none was (acc not written).
+            seen = l > 0
+            out[r0:r1] = acc.div_(l.clamp(min=1.0)[..., None]).masked_fill_(~seen[..., None], 0.0)
+            lse[r0:r1] = torch.where(seen, (m + torch.log2(l.clamp(min=1.0))) * grouped.LN2, float("-inf"))
+
+    if config is None:
+        # Trials on the last rows (the most key chunks per row); the passes below overwrite them.
+        config, _ = pick("fwd_keychunk", q, width, lambda c: run(_query_chunks(batch, seq, 0, last=TUNE_ROWS), c))
+    step = max(ROW_ALIGN, _aligned(budget_bytes // forward_row_bytes(width, heads, dim, n_chunks)))
+    run(_query_chunks(batch, seq, step), config)
     return out.view(q.shape), lse.view(batch, seq, heads)
 
 

@@ -17,8 +17,8 @@ from genolong.model.dsa import sparse_attention_reference
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 SCALE = 128**-0.5
-# (forward mode, dkv mode): v1 with each dkv mode, and the grouped passes.
-MODES = [("query", "atomic"), ("query", "keychunk"), ("grouped", "grouped")]
+# (forward mode, dkv mode): v1 with each dkv mode, the key-chunked forward, and the grouped passes.
+MODES = [("query", "atomic"), ("query", "keychunk"), ("keychunk", "keychunk"), ("grouped", "grouped")]
 
 
 @pytest.fixture(autouse=True)

@@ -57,3 +57,26 @@ def test_backward_probe_names_parse_to_mode_op_and_key_chunk():
                 "probe-keychunk-bwd-cfg16x0x8x2"):
         with pytest.raises(SystemExit, match=bad):
             parse_probe(bad)
+
+
+def test_key_chunked_forward_cells_name_their_key_chunk():
+    pytest.importorskip("triton")
+    from bench_sparse_attention import PRESETS, is_impl, kcfwd_chunk
+
+    assert kcfwd_chunk("triton-kcfwd65536-fwd") == 65536 and kcfwd_chunk("triton-kcfwd-fwd") is None
+    assert is_impl("triton-kcfwd16384-fwd") and is_impl("triton-kcfwd") and is_impl("triton-kcfwd-fwd")
+    for bad in ("triton-kcfwd0-fwd", "triton-kcfwd16k-fwd", "triton-kcfwd16384"):
+        assert kcfwd_chunk(bad) is None and not is_impl(bad), bad
+    assert all(is_impl(impl) for preset in PRESETS.values() for _, _, impl in preset["cells"])
+
+
+def test_pinned_forward_config_cells_parse():
+    pytest.importorskip("triton")
+    from bench_sparse_attention import forward_config, is_impl
+
+    from genolong.kernels.sparse_mla_triton import Config
+
+    assert forward_config("triton-cfg16x32x8x9-fwd") == Config(16, 32, 8, 9) and is_impl("triton-cfg16x64x8x7-fwd")
+    for bad in ("triton-cfg16x32x8-fwd", "triton-cfg16x0x8x9-fwd", "triton-cfg16x32x8x9", "triton-fwd"):
+        assert forward_config(bad) is None, bad
+    assert not is_impl("triton-cfg16x32x8-fwd")

@@ -77,8 +77,8 @@ def test_grouped_candidates_stack_queries_into_16_rows():
 
 def test_bad_forward_mode_is_a_one_line_error(monkeypatch):
     args = (torch.zeros(1, 8, 4, 64), torch.zeros(1, 8, 64), torch.zeros(1, 8, 3, dtype=torch.int32))
-    with pytest.raises(GenolongError, match="fwd_mode 'keychunk' is unknown; use one of query, grouped"):
-        sparse_mla.sparse_mla(*args, scale=0.1, fwd_mode="keychunk")
+    with pytest.raises(GenolongError, match="fwd_mode 'dense' is unknown; use one of query, keychunk, grouped"):
+        sparse_mla.sparse_mla(*args, scale=0.1, fwd_mode="dense")
     monkeypatch.setenv(sparse_mla.ENV_FWD_MODE, "fast")
     monkeypatch.setattr(sparse_mla._common, "require_cuda", lambda *t: None)
     with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_FWD='fast' is not a mode"):
@@ -86,7 +86,7 @@ def test_bad_forward_mode_is_a_one_line_error(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("heads", [4, 64])  # ten sm_90 builds: ~10 s of CPU
+@pytest.mark.parametrize("heads", [4, 64])  # fourteen sm_90 builds: ~15 s of CPU
 def test_grouped_kernels_compile_for_sm90_without_spills(heads):
     from genolong.kernels import aot
     from genolong.kernels import sparse_mla_grouped_triton as k
@@ -95,6 +95,9 @@ def test_grouped_kernels_compile_for_sm90_without_spills(heads):
     take = None if heads == 4 else 1
     builds = {f"{kind} {c.label()}": k.aot_compile(kind, heads, 512, c)
               for kind in ("fwd", "bwd") for c in sparse_mla.candidates(f"{kind}_grouped", heads, 512)[:take]}
+    # The key-chunked forward (fwd_mode "keychunk") runs the grouped forward kernel, one query a program.
+    builds.update({f"fwd keychunk {c.label()}": k.aot_compile("fwd", heads, 512, c)
+                   for c in sparse_mla.candidates("fwd_keychunk", heads, 512)[:take]})
     for name, kernel in builds.items():
         ptx = kernel.asm["ptx"]
         assert "mma.sync" in ptx, name  # tensor cores (16 or 32 rows: no wgmma)

@@ -70,6 +70,21 @@ CASES = {
     "fp16 pools, GLM width 2051, 4 heads x 512, slot-major backward (4 dkv column blocks), key chunks of 8":
         dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8,
              configs={"bwd": [16, 64, 4, 2, 1, True]}),
+    # The key-chunked forward (fwd_mode "keychunk"): the rows as the key-chunked backward walks them,
+    # one launch per key chunk (twice the backward's keys), the online-softmax state between launches.
+    "fp32 key-chunked forward, random rows walked unsorted before their order is known, chunks of 16 keys, 3 query chunks":
+        dict(batch=2, seq=40, heads=4, dim=32, sel="random", width=13, dtype="float32", mode="keychunk", fwd_mode="keychunk",
+             key_chunk=8, query_chunks=3, fresh_order=True),
+    "fp32 key-chunked forward, ascending rows with empty slots, kv longer than q (CP), 3 heads, atomic dkv":
+        dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="ascending", width=29, dtype="float32", mode="atomic",
+             fwd_mode="keychunk", key_chunk=8, query_chunks=2),
+    "fp16 pools, GLM width 2051, 4 heads x 512, key-chunked forward":
+        dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", fwd_mode="keychunk",
+             key_chunk=4),
+    "fp32 key-chunked forward, 80 heads: blocks 32+32+16": dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11,
+                                                                dtype="float32", mode="atomic", fwd_mode="keychunk", key_chunk=4),
+    "fp32 key-chunked forward, config trials": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32",
+                                                    mode="keychunk", fwd_mode="keychunk", key_chunk=8, trials=True),
     # The grouped passes: queries stacked per program (16 // heads of them), one launch per key chunk.
     "fp32 grouped, 3 heads (4 queries a program), 2 batches of 41 (partial groups at each end), key chunks of 16, query chunks of 16":
         dict(batch=2, seq=41, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="grouped", fwd_mode="grouped",
