@@ -12,8 +12,8 @@ one program per row writing the whole row. Integer arithmetic only: the same ten
 PyTorch form (tests/kernels/test_kept_selection_triton.py, in the interpreter).
 
 Opt-in, `GENOLONG_KEPT_SELECTION=triton`: equal to the PyTorch passes on the H200 (tests/gpu/
-test_selection_passes.py), but a 128k step with it and the fused row bounds was not measurably
-faster (2026-12-03, one step an arm: 7.44 / 6.97 s against 6.85 / 7.04 s; benchmarks/RESULTS.md).
+test_selection_passes.py); with the fused row bounds a profiled 128k step spends 142 ms less GPU
+time, but 4 counted steps an arm were not faster (7.54 vs 7.20 s mean, 2026-12-03; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
