@@ -262,6 +262,9 @@ def make_step(impl: str, seq: int, heads: int, idx: torch.Tensor, scale: float):
         group = sparse_mla.candidates("fwd_grouped", heads, LATENT)[0].query_group
         flat = idx[0]
         return lambda: [sparse_mla_grouped.pack(flat, group, seq, chunk) for chunk in (2 * sparse_mla.KEY_CHUNK, sparse_mla.KEY_CHUNK)]
+    if (kcfwd_chunk(impl) or 2 * sparse_mla.KEY_CHUNK) >= seq and impl.startswith(KCFWD_PREFIX):
+        # One key chunk: the op runs the query forward, which this cell would mislabel.
+        raise ValueError(f"{impl} at {seq} keys is one key chunk: the query forward would run")
     q = torch.randn(1, seq, heads, LATENT, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     kv = torch.randn(1, seq, LATENT, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn(1, seq, heads, LATENT, device=DEV, dtype=torch.bfloat16)
@@ -327,7 +330,8 @@ def main() -> None:
             cells = [(s, h, i) for s, h in plan for i in impls + (extra if (s, h) == ("128k", 4) else [])]
     unknown = {i for _, _, i in cells if not is_impl(i)}
     if unknown:
-        sys.exit(f"unknown implementations {sorted(unknown)}; known: {', '.join(IMPLS + FWD_IMPLS + PROBES)}")
+        sys.exit(f"unknown implementations {sorted(unknown)}; known: {', '.join(IMPLS + FWD_IMPLS + PROBES)}, "
+                 "triton-kcfwd<keys>-fwd, triton-cfg<HB>x<BN>x<warps>x<stages>-fwd, probe-{keychunk,atomic,grouped}-bwd[-...]")
     jsonl = (args.out / "bench.jsonl").open("a")
     rows = []
 

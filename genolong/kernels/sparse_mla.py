@@ -280,8 +280,9 @@ def _forward_keychunk(q, kv, idx, scale, key_chunk, budget_bytes, config):
         for b, r0, r1 in chunks:
             walked, bounds = key_chunk_rows(flat_idx[r0:r1], edges, always_sort, order)
             n = r1 - r0
-            # A row's first chunk does not read acc (m = -inf there), so acc needs no zeros.
-            acc = torch.empty((n, heads, dim), dtype=torch.float32, device=q.device)
+            # A row's first chunk does not read acc (m = -inf there), so acc needs no zeros (poisoned
+            # under test: a row read before it is written, or left unwritten, shows as NaN).
+            acc = _common.empty((n, heads, dim), dtype=torch.float32, device=q.device)
             m = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
             l = torch.zeros((n, heads), dtype=torch.float32, device=q.device)
             # Launches of chunks a query chunk's rows do not reach end at once (no host sync to skip them).
@@ -292,10 +293,11 @@ def _forward_keychunk(q, kv, idx, scale, key_chunk, budget_bytes, config):
             out[r0:r1] = acc.div_(l.clamp(min=1.0)[..., None]).masked_fill_(~seen[..., None], 0.0)
             lse[r0:r1] = torch.where(seen, (m + torch.log2(l.clamp(min=1.0))) * grouped.LN2, float("-inf"))
 
-    if config is None:
-        # Trials on the last rows (the most key chunks per row); the passes below overwrite them.
-        config, _ = pick("fwd_keychunk", q, width, lambda c: run(_query_chunks(batch, seq, 0, last=TUNE_ROWS), c))
     step = max(ROW_ALIGN, _aligned(budget_bytes // forward_row_bytes(width, heads, dim, n_chunks)))
+    if config is None:
+        # Trials on the last rows (the most key chunks per row), no more than a query chunk's (the
+        # budget holds for them too); the passes below overwrite them.
+        config, _ = pick("fwd_keychunk", q, width, lambda c: run(_query_chunks(batch, seq, 0, last=min(step, TUNE_ROWS)), c))
     run(_query_chunks(batch, seq, step), config)
     return out.view(q.shape), lse.view(batch, seq, heads)
 
@@ -479,7 +481,8 @@ def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mo
                budget_bytes: int = QUERY_BUDGET_BYTES, configs: dict | None = None):
     """The op on the Triton kernels, on CUDA or (TRITON_INTERPRET=1) the CPU; `configs` may pin
     {"fwd": Config, "bwd": Config} (of the kernels the modes run) instead of timing candidates.
-    `fwd_key_chunk` (grouped forward) defaults to twice `key_chunk`."""
+    `fwd_key_chunk` (the key-chunked and grouped forwards) defaults to twice `key_chunk`. The launch
+    config chosen for a kernel is remembered per (kernel, heads, width, dtype), not per key chunk."""
     if dkv_mode not in DKV_MODES:
         raise GenolongError(f"dkv_mode {dkv_mode!r} is unknown; use one of {', '.join(DKV_MODES)}")
     if fwd_mode not in FWD_MODES:

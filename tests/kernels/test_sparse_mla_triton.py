@@ -132,6 +132,7 @@ from genolong.model.indexer import indexer_topk_reference
 
 _common.POISON = True
 _pick = sparse_mla.pick
+_tune_rows = sparse_mla.TUNE_ROWS
 grouped_rows = sparse_mla.ROW_ALIGN  # the smallest query chunk
 _key_chunk_rows = sparse_mla.key_chunk_rows
 walks = []  # per query chunk: (walked unsorted, the rows ascend)
@@ -185,6 +186,8 @@ for name, c in json.loads(sys.argv[1]).items():
     scale = dim ** -0.5
     configs = {k: Config(*v) for k, v in c.get("configs", {}).items()}
     sparse_mla.pick = pick_with_trials if c.get("trials") else _pick
+    # Trials on fewer rows than the call has, so a full pass that skipped a row would show.
+    sparse_mla.TUNE_ROWS = 16 if c.get("trials") else _tune_rows
     width = idx.shape[-1]
     n_chunks = -(-kv_len // c.get("key_chunk", sparse_mla.KEY_CHUNK))
     budget = sparse_mla.backward_row_bytes(width, c["heads"], dim, n_chunks) * -(-c["batch"] * c["seq"] // c.get("query_chunks", 1))
