@@ -26,7 +26,8 @@ one launch per key chunk of `fwd_key_chunk` keys, one query a program: the gathe
 come from the chunk in L2; the online-softmax state in fp32 buffers between launches; no
 packing or sort) or "grouped" (as the grouped backward: consecutive queries stacked, their
 selections packed and sorted together). `fwd_key_chunk` is twice the backward's by default: no
-dkv shares the L2.
+dkv shares the L2. On the H200 both chunked forwards are slower than "query" (2026-12-03: 107 and
+110 vs 88 ms at 128k x 4 heads; docs/kernels.md says why), so "query" is the default.
 
 Launch configurations are timed on first use per (kernel, heads, width, dtype) on the GPU (a
 few candidates, on the last 16k rows of the call: the fullest selections, the most key chunks)
@@ -251,9 +252,9 @@ def _forward_grouped(q, kv, idx, scale, key_chunk, budget_bytes, config):
 
 
 def forward_row_bytes(width: int, heads: int, dim: int, n_chunks: int) -> int:
-    """Transient bytes per query row of the key-chunked forward: key_chunk_rows' (as the backward's)
-    and the fp32 online-softmax state (acc, m, l)."""
-    return width * 20 + (n_chunks + 1) * 12 + heads * (dim + 2) * 4
+    """Transient bytes per query row of the key-chunked forward: the backward's (key_chunk_rows'
+    transients; acc takes the place of the fp32 dq) and the online-softmax m and l."""
+    return backward_row_bytes(width, heads, dim, n_chunks) + heads * 2 * 4
 
 
 def _forward_keychunk(q, kv, idx, scale, key_chunk, budget_bytes, config):
