@@ -5,7 +5,10 @@
 Warm-up steps first (kernel compilation, autotuning, pinned-buffer registration), then one
 profiled step with the same memory options as `genolong finetune` (full stack by default).
 Writes <out>/kernels.txt (CUDA kernels by total time), <out>/categories.json (time per kind of
-work: the kernel-name patterns below) and prints both. The MFU target is judged against this.
+work: the kernel-name patterns below), <out>/gaps.json (the compute stream's idle gaps and their
+causes: trace_gaps.py; "busy" in kernels.txt sums every stream, the offload copies included),
+with --sync-census <out>/sync_census.json (one more step's host syncs by call site: sync_census.py),
+and prints them. The MFU target is judged against this.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_memory_ablation import HOST_RAM_GIB, Bench  # noqa: E402
+from sync_census import census, report as census_report  # noqa: E402
+from trace_gaps import analyse, report  # noqa: E402
 
 from genolong.train.compile import apply_compile  # noqa: E402
 from genolong.train.options import MemoryOptions  # noqa: E402
@@ -62,6 +67,8 @@ def main() -> None:
     ap.add_argument("--no-recompute", action="store_true", help="profile without full-layer recompute")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="the compile pass (norms, router, dense MLP; mHC stays fused), as finetune's default: on with a GPU")
+    ap.add_argument("--sync-census", action="store_true",
+                    help="one more step with torch's sync debug mode: every host sync by call site (sync_census.json)")
     ap.add_argument("--out", type=Path, default=Path("runs/profile"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +94,10 @@ def main() -> None:
     trace = args.out / "trace.json"
     prof.export_chrome_trace(str(trace))
     per_kernel: dict = defaultdict(lambda: [0.0, 0])
-    for ev in json.loads(trace.read_text()).get("traceEvents", []):
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    gaps = analyse(events)
+    (args.out / "gaps.json").write_text(json.dumps(gaps, indent=1) + "\n")
+    for ev in events:
         if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "cpu_op") and "dur" in ev:
             per_kernel[ev["name"]][0] += ev["dur"] / 1e3
             per_kernel[ev["name"]][1] += 1
@@ -106,6 +116,11 @@ def main() -> None:
     (args.out / "categories.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("\n".join(lines[:45]))
     print(json.dumps(summary["categories_ms"], indent=1))
+    print(report(gaps))
+    if args.sync_census and torch.cuda.is_available():
+        syncs = census(lambda: bench.step(bench.window(seq, 8)))
+        (args.out / "sync_census.json").write_text(json.dumps(syncs, indent=1) + "\n")
+        print(census_report(syncs))
 
 
 if __name__ == "__main__":

@@ -33,3 +33,18 @@ def require_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
 
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+def positions(first: int, n: int, device) -> torch.Tensor:
+    """Query positions first .. first + n - 1 (int64), their start remembered on the host (`first_position`)."""
+    t = torch.arange(first, first + n, device=device)
+    t._genolong_first = int(first)  # (a Python attribute of this tensor object only: views and copies lack it)
+    return t
+
+
+def first_position(t: torch.Tensor) -> int:
+    """t[0] of consecutive positions `t` as a Python int: from `positions` without reading the device
+    (reading it is a host sync: two per indexer query chunk, 132 a 128k step, ~40 ms of idle GPU),
+    else read (callers' own tensors)."""
+    first = getattr(t, "_genolong_first", None)
+    return int(t[0]) if first is None else first

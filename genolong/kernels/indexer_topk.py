@@ -104,7 +104,7 @@ def query_chunks(seq: int, rows: int, query_offset: int, n_pools: int, kpool: in
     """(local start, local end, global positions, pools visible to the chunk's last query) per chunk."""
     for t0 in range(0, seq, rows):
         t1 = min(seq, t0 + rows)
-        t = torch.arange(query_offset + t0, query_offset + t1, device=device)
+        t = _common.positions(query_offset + t0, t1 - t0, device)
         yield t0, t1, t, min(n_pools, (query_offset + t1) // kpool)
 
 

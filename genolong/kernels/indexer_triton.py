@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from genolong.kernels import aot
+from genolong.kernels import _common, aot
 from genolong.model.ops import KernelUnsupported
 
 BM, BN, N_INNER = 64, 64, 16
@@ -140,7 +140,7 @@ def group_max(q, keys, w, t, *, kpool: int, scale: float, group: int) -> torch.T
     hp = _heads_padded(heads, 1)
     bm = block_queries(hp)
     grid = (triton.cdiv(n, bm), triton.cdiv(triton.cdiv(n_pools, BN), N_INNER))
-    _group_max_kernel[grid](q, keys, w, out, n, int(t[0]), n_pools, n_groups, float(scale),
+    _group_max_kernel[grid](q, keys, w, out, n, _common.first_position(t), n_pools, n_groups, float(scale),
                             q.stride(0), q.stride(1), keys.stride(0), w.stride(0), out.stride(0),
                             KPOOL=kpool, H=heads, HP=hp, D=dim, BM=bm, BN=BN, G=group,
                             N_INNER=N_INNER, num_warps=8, num_stages=2)
@@ -155,7 +155,7 @@ def candidate_scores(q, keys, w, t, gidx, gval, *, kpool: int, scale: float, gro
         return out
     q, keys, w = q.contiguous(), keys.contiguous(), w.float().contiguous()
     gidx, gval = gidx.contiguous(), gval.contiguous()
-    _candidate_kernel[(n,)](q, keys, w, gidx, gval, out, int(t[0]), keys.shape[0], n_cand, float(scale),
+    _candidate_kernel[(n,)](q, keys, w, gidx, gval, out, _common.first_position(t), keys.shape[0], n_cand, float(scale),
                             q.stride(0), q.stride(1), keys.stride(0), w.stride(0), gidx.stride(0), out.stride(0),
                             KPOOL=kpool, H=heads, HP=_heads_padded(heads, 16), D=dim, G=group, BC=BC,
                             N_BLOCKS=triton.cdiv(n_cand, BC), num_warps=4)
@@ -414,7 +414,7 @@ def group_max_v2(q, keys, w, t, *, kpool: int, scale: float, group: int, sup: in
     w = (w.float() * scale).contiguous()
     kernel = _pass1_v2_kernel(heads, dim, bm, resident)
     grid = (triton.cdiv(n, bm), triton.cdiv(triton.cdiv(n_pools, bn), n_inner))
-    kernel[grid](q, keys, w, out, sg, n, int(t[0]), n_pools, n_groups, n_super,
+    kernel[grid](q, keys, w, out, sg, n, _common.first_position(t), n_pools, n_groups, n_super,
                  q.stride(0), q.stride(1), keys.stride(0), w.stride(0), out.stride(0), sg.stride(0),
                  KPOOL=kpool, H=heads, D=dim, BM=bm, BN=bn, G=group, SG=sup, N_INNER=n_inner, STAGES=stages, num_warps=warps)
     return out, sg, sup
@@ -456,7 +456,7 @@ def select_candidates(q, keys, w, t, gidx, gval, out, *, kpool: int, scale: floa
     w = (w.float() * scale).contiguous()
     gidx, gval = gidx.contiguous(), gval.contiguous()
     scratch = torch.empty((n, max(1, n_cand)), dtype=torch.float32, device=q.device)
-    _select_kernel[(n,)](q, keys, w, gidx, gval, scratch, out, int(t[0]), keys.shape[0], n_cand,
+    _select_kernel[(n,)](q, keys, w, gidx, gval, scratch, out, _common.first_position(t), keys.shape[0], n_cand,
                          q.stride(0), q.stride(1), keys.stride(0), w.stride(0), gidx.stride(0), scratch.stride(0), out.stride(0),
                          KPOOL=kpool, H=heads, HP=_heads_padded(heads, 16), D=dim, G=group, BC=BC2,
                          N_BLOCKS=triton.cdiv(n_cand, BC2), NC=max(16, triton.next_power_of_2(n_cand)),

@@ -9,15 +9,39 @@ path needs gates known to lie in [-5, 0); the op does not promise that bound, so
 The recurrent state in and out is fla's own (fla 0.6.0: `initial_state` [B, H, K, V] in fp32,
 with a gradient; the final state fp32 [B, H, K, V], differentiable), in the default K-first
 layout that the op contract and the reference use.
+
+Inside a layer checkpoint (`ops.checkpointed()`, the training default: full recompute) the call
+asks fla to keep its intermediates for backward (`disable_recompute=True`: the chunk states h, w,
+u, the gated q and k, v_new) instead of recomputing h and w/u in its backward. The checkpoint's
+forward drops them at once and its recompute holds them only until the layer's backward right
+after, so this costs one layer's intermediates for a moment (~1 GiB at 128k for glm53-mini's 4
+heads) and saves fla's second pass over the sequence (chunk_gated_delta_rule_fwd_h) per layer.
+Outside a checkpoint fla's default stays (saved tensors would live for the whole step there).
+`GENOLONG_KDA_KEEP=off` keeps fla's default everywhere.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from genolong.errors import GenolongError
 from genolong.kernels import _common
+from genolong.model import ops
 from genolong.model.kda import check_state
 from genolong.model.ops import KernelUnsupported
+
+ENV_KEEP = "GENOLONG_KDA_KEEP"
+
+
+def keep_intermediates() -> bool:
+    """fla keeps its intermediates for backward: inside a layer checkpoint, unless GENOLONG_KDA_KEEP=off."""
+    value = os.environ.get(ENV_KEEP, "on")
+    if value not in ("on", "off"):
+        raise GenolongError(f"{ENV_KEEP}={value!r} is not a setting; set it to on (inside a layer checkpoint fla keeps its "
+                            "intermediates instead of recomputing them in backward) or off, or unset it")
+    return value == "on" and torch.is_grad_enabled() and ops.checkpointed()
 
 
 def kda_fla(
@@ -52,6 +76,7 @@ def kda_fla(
         initial_state=None if initial_state is None else initial_state.float(),
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=True,
+        disable_recompute=keep_intermediates(),
     )
     o = o.to(q.dtype)
     return (o, final_state) if output_final_state else o

@@ -33,6 +33,16 @@ def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tor
     return torch.cat(out, 0)
 
 
+def expert_offsets(experts_sorted: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """int32 [E]: where each expert's rows end in the expert-sorted pairs (the grouped GEMM's `offs`).
+
+    A search in the sorted experts rather than `cumsum(bincount(...))`: on CUDA bincount reads the
+    input's max back to size its output, a host sync per chunk (two per MoE layer at 128k, in the
+    forward and again in the recompute) that drains the launch queue."""
+    bounds = torch.arange(n_experts, device=experts_sorted.device, dtype=experts_sorted.dtype)
+    return torch.searchsorted(experts_sorted, bounds, right=True).to(torch.int32)
+
+
 def chunk_tokens_for(k: int, hidden: int, inter: int, itemsize: int, budget_bytes: int = CHUNK_BUDGET_BYTES) -> int:
     # Gathered rows, gate/up, activation, down output (x dtype) and the fp32 weighted copy.
     per_token = k * (itemsize * (hidden + 2 * inter + inter + hidden) + 4 * hidden)
@@ -59,8 +69,8 @@ def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limi
     for n0 in range(0, n_tokens, chunk_tokens):
         idx = topk_idx[n0 : n0 + chunk_tokens]
         flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=n_experts), 0).to(torch.int32)
+        experts_sorted, order = torch.sort(flat, stable=True)
+        offs = expert_offsets(experts_sorted, n_experts)
         token = order // k
         rows = x[n0 : n0 + chunk_tokens][token]
         h = swiglu(mm(rows, w_gate_up, offs), swiglu_limit)

@@ -12,8 +12,11 @@ Triton pass each (FUSED below).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from genolong.errors import GenolongError
 from genolong.model import ops
 
 # Rows compared per pass when checking that a selection packs (bounds the check's temporaries).
@@ -24,30 +27,106 @@ _CHECK_ROWS = 1 << 16
 FUSED: dict = {}
 
 
-def pack_selection(idx: torch.Tensor, *, kpool: int, topk_pools: int) -> tuple[torch.Tensor, ...]:
-    """(pools [.., topk_pools], tail [.., W - topk_pools * kpool]) when every group of `idx` is one whole
-    pool in ascending order (or all -1), else (idx,)."""
+def _packed_parts(idx: torch.Tensor, *, kpool: int, topk_pools: int) -> tuple[torch.Tensor, ...] | None:
+    """(pools, tail, differs: 0-d bool on idx's device) — the packed form and whether it would not give
+    `idx` back — or None when `idx` has no whole groups to pack. No host sync."""
     groups = topk_pools * kpool
     if kpool < 2 or idx.shape[-1] < groups:
-        return (idx,)
+        return None
     if FUSED and FUSED["enabled"](idx, kpool):
-        pools, tail, differs = FUSED["pack"](idx, kpool=kpool, topk_pools=topk_pools)
-        return (idx,) if bool(differs) else (pools, tail)
+        return FUSED["pack"](idx, kpool=kpool, topk_pools=topk_pools)
     body = idx[..., :groups]
     pools = torch.div(body[..., ::kpool], kpool, rounding_mode="floor")  # -1 // kpool = -1
     flat_pools, flat_body = pools.reshape(-1, topk_pools), body.reshape(-1, groups)
-    # One flag on the device, read once: a host sync per chunk would stall the GPU's queue each time.
+    # One flag on the device for all row blocks: its answer is read once.
     differs = torch.zeros((), dtype=torch.bool, device=idx.device)
     for r0 in range(0, flat_body.shape[0], _CHECK_ROWS):
         rows = slice(r0, r0 + _CHECK_ROWS)
         differs |= (_expand(flat_pools[rows], kpool) != flat_body[rows]).any()
-    if bool(differs):
+    return pools.contiguous(), idx[..., groups:].contiguous(), differs
+
+
+def pack_selection(idx: torch.Tensor, *, kpool: int, topk_pools: int) -> tuple[torch.Tensor, ...]:
+    """(pools [.., topk_pools], tail [.., W - topk_pools * kpool]) when every group of `idx` is one whole
+    pool in ascending order (or all -1), else (idx,). Reads the answer at once (a host sync);
+    `pack_selection_deferred` does not."""
+    parts = _packed_parts(idx, kpool=kpool, topk_pools=topk_pools)
+    if parts is None or bool(parts[2]):
         return (idx,)
-    return pools.contiguous(), idx[..., groups:].contiguous()
+    return parts[0], parts[1]
 
 
-def unpack_selection(kept: tuple[torch.Tensor, ...], *, kpool: int) -> torch.Tensor:
-    """The selection `pack_selection` kept."""
+class PendingPack(ops.DeferredKept):
+    """A selection whose packed form is kept once the device has said it packs (`resolve`).
+
+    Reading the check's flag at once was a host sync per DSA layer, and its tiny copy queued behind
+    the kept tensors' copies to host memory already in flight: the compute stream stood idle ~8 ms
+    each time (eleven times a 128k step: benchmarks/RESULTS.md, seventeenth session). Here the flag
+    is copied to pinned memory on a stream of its own; the keep layer (genolong.train.keep) resolves
+    the choice when the layer's next kept op records (the sparse attention, ~100 ms of GPU work
+    later) or when the layer's forward ends, so `idx` is held no longer than the layer holds it
+    anyway. The forward itself goes on with `idx` (`value`)."""
+
+    def __init__(self, idx: torch.Tensor, pools: torch.Tensor, tail: torch.Tensor, differs: torch.Tensor) -> None:
+        self.value = idx
+        self._parts: tuple | None = (idx, pools, tail)
+        if differs.is_cuda:
+            self._flag = torch.empty(differs.shape, dtype=torch.bool, pin_memory=True)
+            side = _flag_stream(differs.device)
+            side.wait_stream(torch.cuda.current_stream(differs.device))
+            with torch.cuda.stream(side):
+                self._flag.copy_(differs, non_blocking=True)
+                self._done = torch.cuda.Event()
+                self._done.record(side)
+            differs.record_stream(side)  # the flag's memory is not reused before the copy has read it
+        else:
+            self._flag, self._done = differs, None
+
+    def resolve(self) -> tuple[torch.Tensor, ...]:
+        if self._parts is None:
+            raise RuntimeError("a PendingPack resolves once")
+        if self._done is not None:
+            self._done.synchronize()  # long complete by now (a layer of compute); waits only if not
+        idx, pools, tail = self._parts
+        self._parts = None
+        self.value = None
+        return (idx,) if bool(self._flag) else (pools, tail)
+
+
+_FLAG_STREAMS: dict = {}
+
+
+def _flag_stream(device: torch.device) -> torch.cuda.Stream:
+    key = torch.device(device).index
+    if key not in _FLAG_STREAMS:
+        _FLAG_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _FLAG_STREAMS[key]
+
+
+ENV_CHECK = "GENOLONG_KEPT_PACK_CHECK"
+
+
+def _check_setting() -> str:
+    value = os.environ.get(ENV_CHECK, "deferred")
+    if value not in ("deferred", "sync"):
+        raise GenolongError(f"{ENV_CHECK}={value!r} is not a setting; set it to deferred (the packing check's answer "
+                            "read once it has arrived) or sync (read at once: a host sync per DSA layer), or unset it")
+    return value
+
+
+def pack_selection_deferred(idx: torch.Tensor, *, kpool: int, topk_pools: int):
+    """`pack_selection` without the host sync: a PendingPack (its `resolve()` is the kept tuple), or
+    (idx,) when `idx` has no whole groups to pack. GENOLONG_KEPT_PACK_CHECK=sync: `pack_selection`."""
+    if _check_setting() == "sync":
+        return pack_selection(idx, kpool=kpool, topk_pools=topk_pools)
+    parts = _packed_parts(idx, kpool=kpool, topk_pools=topk_pools)
+    return (idx,) if parts is None else PendingPack(idx, *parts)
+
+
+def unpack_selection(kept, *, kpool: int) -> torch.Tensor:
+    """The selection `pack_selection` kept (or, in the forward, the one a PendingPack holds)."""
+    if isinstance(kept, PendingPack):
+        return kept.value
     if len(kept) == 1:
         return kept[0]
     pools, tail = kept
@@ -65,6 +144,6 @@ def _expand(pools: torch.Tensor, kpool: int) -> torch.Tensor:
 # recompute can take the forward's as it is.
 ops.register_keepable(
     "dsa_indexer_topk",
-    ops.KeepSpec(kept=lambda out, kwargs: pack_selection(out, kpool=kwargs["kpool"], topk_pools=kwargs["topk_pools"])),
+    ops.KeepSpec(kept=lambda out, kwargs: pack_selection_deferred(out, kpool=kwargs["kpool"], topk_pools=kwargs["topk_pools"])),
 )
 ops.register_replay("dsa_indexer_topk", ops.ANY, lambda kept, *args, **kwargs: unpack_selection(kept, kpool=kwargs["kpool"]))

@@ -165,6 +165,17 @@ class KeepSpec:
     kept: Callable = lambda out, kwargs: (out,)
 
 
+class DeferredKept:
+    """What a KeepSpec's `kept` may return instead of the tensors: the choice of what to keep is made
+    later, once the device has answered a question about the result without a host sync
+    (genolong.model.kept_selection.PendingPack). The replay frame calls `resolve()` (-> the tensors
+    to keep) once, before the layer's forward ends; until then the replay in the forward sees the
+    object itself."""
+
+    def resolve(self) -> tuple:
+        raise NotImplementedError
+
+
 ANY = "*"
 _KEEPABLE: dict[str, KeepSpec] = {}
 _REPLAYS: dict[tuple[str, str], Callable] = {}
@@ -287,11 +298,35 @@ class Reenterable:
         return self._entered.pop().__exit__(*exc)
 
 
+# True inside a checkpointed call (its forward and its recompute; `recompute_context`): what an op
+# saves for backward there lives at most from the recompute to that layer's backward.
+_CHECKPOINTED: contextvars.ContextVar[bool] = contextvars.ContextVar("genolong_checkpointed", default=False)
+
+
+def checkpointed() -> bool:
+    """Whether this call runs inside a layer checkpoint (forward or recompute). A checkpoint's forward
+    drops what ops save and its recompute saves it only until the layer's backward, which follows at
+    once, so an op there may save intermediates it would otherwise recompute in its own backward
+    (genolong.kernels.kda_fla) without holding them for the whole step."""
+    return _CHECKPOINTED.get()
+
+
+@contextlib.contextmanager
+def _checkpointed_scope(chosen: KernelPolicy | None) -> Iterator[None]:
+    token = _CHECKPOINTED.set(True)
+    try:
+        with (policy(chosen) if chosen is not None else contextlib.nullcontext()):
+            yield
+    finally:
+        _CHECKPOINTED.reset(token)
+
+
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """`context_fn` for torch.utils.checkpoint: the recompute in backward (another thread on CUDA,
-    where this context's variables are unset) runs under the policy in force at forward."""
+    where this context's variables are unset) runs under the policy in force at forward; both
+    run with `checkpointed()` true."""
     chosen = active()
-    return contextlib.nullcontext(), Reenterable(lambda: policy(chosen))
+    return _checkpointed_scope(None), Reenterable(lambda: _checkpointed_scope(chosen))
 
 
 def bind(model, name: str | KernelPolicy) -> KernelPolicy:

@@ -56,6 +56,7 @@ class _Entry:
     impl: str
     signature: tuple
     handles: tuple | None  # the kept tensors (store handles); None: not replayable, runs again
+    pending: ops.DeferredKept | None = None  # kept tensors not chosen yet (stored by resolve_pending)
 
 
 def _signature(args: tuple) -> tuple:
@@ -74,10 +75,22 @@ class ReplayFrame:
     def keeps(self, op: str) -> bool:
         return op in self.owner.ops
 
-    def record(self, op: str, layer_idx: int, impl: str, args: tuple, kept: tuple | None) -> None:
-        handles = None if kept is None else tuple(self.owner.store(t, layer_idx) for t in kept)
-        self.entries.append(_Entry(op, layer_idx, impl, _signature(args), handles))
+    def record(self, op: str, layer_idx: int, impl: str, args: tuple, kept) -> None:
+        """kept: the tensors to keep, None (not replayable) or an ops.DeferredKept, stored once it has
+        resolved: when the next op records or the forward ends (`resolve_pending`), whichever is first."""
+        self.resolve_pending()
+        if isinstance(kept, ops.DeferredKept):
+            self.entries.append(_Entry(op, layer_idx, impl, _signature(args), None, pending=kept))
+        else:
+            handles = None if kept is None else tuple(self.owner.store(t, layer_idx) for t in kept)
+            self.entries.append(_Entry(op, layer_idx, impl, _signature(args), handles))
         self.owner.stats.recorded += 1
+
+    def resolve_pending(self) -> None:
+        for entry in self.entries:
+            if entry.pending is not None:
+                kept, entry.pending = entry.pending.resolve(), None
+                entry.handles = tuple(self.owner.store(t, entry.layer_idx) for t in kept)
 
     def replay(self, op: str, layer_idx: int, args: tuple) -> tuple[str, tuple | None]:
         if self.cursor >= len(self.entries):
@@ -85,6 +98,7 @@ class ReplayFrame:
                 f"layer {layer_idx}: its recompute calls {op!r} more often than its forward did; the layer's "
                 "forward must make the same op calls each time (run with --keep-sparse off to recompute everything)"
             )
+        self.resolve_pending()  # (a forward that ended without the frame's exit: resolved here at the latest)
         entry = self.entries[self.cursor]
         self.cursor += 1
         if (entry.op, entry.layer_idx, entry.signature) != (op, layer_idx, _signature(args)):
@@ -136,7 +150,7 @@ class KeptResults:
         self._frames = [f for f in self._frames if f() is not None]
         self._frames.append(weakref.ref(frame))
         policy_forward, policy_recompute = ops.recompute_context()
-        return (_joined(policy_forward, ops.replay_frame(frame)),
+        return (_joined(policy_forward, _recording(frame)),
                 ops.Reenterable(lambda: _joined(policy_recompute, self._replaying(frame))))
 
     @contextlib.contextmanager
@@ -175,6 +189,15 @@ class KeptResults:
 
     def __repr__(self) -> str:
         return f"KeptResults({self.where!r}, ops={sorted(self.ops)})"
+
+
+@contextlib.contextmanager
+def _recording(frame: ReplayFrame):
+    """The forward of a checkpointed call: its keepable ops record into `frame`; what is still to be
+    chosen when the forward ends is chosen then (its tensors must not outlive the forward on the GPU)."""
+    with ops.replay_frame(frame):
+        yield
+    frame.resolve_pending()
 
 
 @contextlib.contextmanager

@@ -144,6 +144,42 @@ def test_kda_fla_outputs_and_gradients():
         assert _rel(x, r) <= 2e-2, (label, _rel(x, r))
 
 
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_kda_fla_keeping_intermediates_under_a_checkpoint_matches_fla_default(with_state):
+    """Inside a layer checkpoint fla keeps its intermediates (disable_recompute); the gradients must be
+    the ones fla's default (recompute in backward) gives, for the inputs and the state."""
+    from genolong.kernels import kda_fla as mod
+    from genolong.train.recompute import checkpointed
+
+    b, t, h, d = 1, 1000, 4, 128
+    q, k, v = (torch.randn(b, t, h, d, device=DEV).bfloat16() for _ in range(3))
+    g = (-5 * torch.sigmoid(torch.randn(b, t, h, d, device=DEV))).float()
+    beta = torch.rand(b, t, h, device=DEV).bfloat16()
+    state = torch.randn(b, h, d, d, device=DEV) if with_state else None
+    dout = torch.randn(b, t, h, d, device=DEV).bfloat16()
+    seen = []
+
+    def layer(*xs):
+        seen.append(mod.keep_intermediates())
+        if with_state:
+            o, final = mod.kda_fla(*xs[:5], initial_state=xs[5], output_final_state=True)
+            return o.float() + final.sum() * 1e-3  # the final state's gradient path too
+        return mod.kda_fla(*xs)
+
+    def run(checkpoint: bool):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta) + ((state,) if with_state else ())]
+        out = checkpointed(layer, *leaves) if checkpoint else layer(*leaves)
+        out.backward(dout.to(out.dtype))
+        return [out] + [x.grad for x in leaves]
+
+    plain = run(False)
+    assert seen == [False]
+    kept = run(True)
+    assert seen[1:] == [True, True]  # the checkpoint's forward and its recompute
+    for label, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta", "dstate"), kept, plain):
+        assert _rel(x, r) <= 1e-3, (label, _rel(x, r))
+
 def test_moe_grouped_outputs_and_gradients():
     n, e, k, hidden, inter = 8192, 64, 4, 512, 256
     x = torch.randn(n, hidden, device=DEV).bfloat16()

@@ -231,3 +231,14 @@ def test_triton_passes_in_the_interpreter_select_like_the_reference():
     assert "TIES OK True" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "V2 ASCENDING True" in run.stdout, run.stdout + run.stderr[-3000:]
     assert run.stdout.count("PASS1 resident OK") == 2 and run.stdout.count("PASS1 streamed OK") == 2, run.stdout + run.stderr[-3000:]
+
+
+def test_query_positions_carry_their_start_to_the_host_without_a_device_read():
+    from genolong.kernels import _common
+
+    t = _common.positions(5, 3, "meta")  # a meta tensor has no values: reading t[0] would fail
+    assert t.shape == (3,) and _common.first_position(t) == 5
+    assert _common.first_position(torch.arange(7, 9)) == 7  # a caller's own positions are read
+    assert _common.first_position(_common.positions(5, 3, "cpu")[1:]) == 6  # a view is read, not trusted
+    chunks = list(it.query_chunks(10, 4, 100, 50, 4, "meta"))
+    assert [_common.first_position(t) for _, _, t, _ in chunks] == [100, 104, 108]

@@ -43,3 +43,18 @@ def test_torch_grouped_mm_forward_on_cpu():
 def test_chunk_size_follows_the_budget():
     assert moe.chunk_tokens_for(4, 512, 256, 2) * 4 * (2 * (512 + 768 + 512) + 4 * 512) <= moe.CHUNK_BUDGET_BYTES
     assert moe.chunk_tokens_for(4, 512, 256, 2, budget_bytes=1) == 1
+
+
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert", "no_rows"])
+def test_expert_offsets_are_the_cumulative_counts_per_expert(case):
+    gen = torch.Generator().manual_seed(3)
+    n_experts = 16
+    flat = {
+        "random": torch.randint(0, n_experts, (1000,), generator=gen),
+        "empty_experts": torch.randint(0, 5, (300,), generator=gen) * 3,  # experts 1, 2, 4, 5, ... and 15 unused
+        "one_expert": torch.full((64,), 7),
+        "no_rows": torch.zeros(0, dtype=torch.long),
+    }[case]
+    got = moe.expert_offsets(torch.sort(flat, stable=True).values, n_experts)
+    want = torch.cumsum(torch.bincount(flat, minlength=n_experts), 0).to(torch.int32)
+    assert got.dtype == torch.int32 and torch.equal(got, want)

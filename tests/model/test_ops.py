@@ -138,3 +138,28 @@ def test_the_recompute_in_backward_runs_under_the_forward_policy():
         assert len(calls) == 2 * forward_calls
     finally:
         ops.unregister("kda", "test_fast")
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_checkpointed_is_true_in_a_layer_checkpoints_forward_and_recompute_only(keep):
+    """`ops.checkpointed()` tells an op it may save intermediates for a backward that follows at once;
+    it must hold inside the checkpoint's forward and its recompute (with kept results or without), and
+    nowhere else."""
+    from genolong.train.keep import KeptResults
+    from genolong.train.recompute import checkpointed
+
+    seen = []
+
+    def layer(x):
+        seen.append(ops.checkpointed())
+        return x.sin()
+
+    x = torch.randn(4, requires_grad=True)
+    assert not ops.checkpointed()
+    out = checkpointed(layer, x, keep=KeptResults(where="device") if keep else None)
+    assert seen == [True] and not ops.checkpointed()
+    out.sum().backward()
+    assert seen == [True, True] and not ops.checkpointed()
+    torch.testing.assert_close(x.grad, x.detach().cos())
+    layer(x)
+    assert seen[-1] is False

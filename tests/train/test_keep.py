@@ -272,3 +272,68 @@ def test_plans_with_kept_results_on_the_cpu_and_the_fix_when_they_do_not_fit():
     off = estimate_memory(mini, 131072, MemoryOptions(offload=False, keep_sparse="off"), gpu_bytes=61 << 30)
     assert not kept.fits and off.fits
     assert "the DSA results recomputed, not kept: --keep-sparse off" in shortfall(mini, 131072, opts, 1, 61 << 30)
+
+
+def test_a_deferred_selection_pack_resolves_to_what_the_synchronous_check_keeps():
+    from genolong.model.indexer import indexer_topk_reference
+    from genolong.model.kept_selection import PendingPack, pack_selection, pack_selection_deferred, unpack_selection
+
+    g = torch.Generator().manual_seed(5)
+    iq, keys, w = torch.randn(1, 40, 2, 8, generator=g), torch.randn(1, 10, 8, generator=g), torch.rand(1, 40, 2, generator=g)
+    idx = indexer_topk_reference(iq, keys, w, kpool=4, topk_pools=5, always_select_tail=True, softmax_scale=0.3)
+    shuffled = idx.clone()
+    shuffled[0, 30, :2] = shuffled[0, 30, :2].flip(0)
+    for sel in (idx, shuffled):
+        pending = pack_selection_deferred(sel, kpool=4, topk_pools=5)
+        assert isinstance(pending, PendingPack)
+        assert unpack_selection(pending, kpool=4) is sel  # the forward goes on with the selection itself
+        kept = pending.resolve()
+        want = pack_selection(sel, kpool=4, topk_pools=5)
+        assert len(kept) == len(want) and all(torch.equal(a, b) for a, b in zip(kept, want))
+        assert torch.equal(unpack_selection(kept, kpool=4), sel)
+        with pytest.raises(RuntimeError, match="resolves once"):
+            pending.resolve()
+    assert len(want) == 1  # (the shuffled row does not pack: kept whole)
+    narrow = idx[..., :12]  # fewer slots than the pools' groups: nothing to pack, kept as it is
+    assert pack_selection_deferred(narrow, kpool=4, topk_pools=5)[0] is narrow
+
+
+class _Deferred(ops.DeferredKept):
+    def __init__(self, t):
+        self.t, self.resolved = t, 0
+
+    def resolve(self):
+        self.resolved += 1
+        return (self.t,)
+
+
+def test_a_deferred_kept_result_is_stored_at_the_next_record_or_when_the_forward_ends():
+    from genolong.train.keep import _recording
+
+    keep = KeptResults(where="device")
+    frame = ReplayFrame(keep)
+    a, b = _Deferred(torch.ones(3)), _Deferred(torch.zeros(2))
+    with _recording(frame):
+        frame.record("dsa_indexer_topk", 0, "x", (torch.ones(1),), a)
+        assert a.resolved == 0 and keep.stats.bytes_kept == 0  # not chosen yet
+        frame.record("dsa_sparse_attention", 0, "x", (torch.ones(1),), (torch.ones(4),))
+        assert a.resolved == 1 and keep.stats.bytes_kept == 4 * 3 + 4 * 4  # chosen when the next op records
+        frame.record("dsa_indexer_topk", 0, "x", (torch.ones(1),), b)
+    assert b.resolved == 1  # the forward's end chooses what is still open
+    assert [len(e.handles) for e in frame.entries] == [1, 1, 1] and all(e.pending is None for e in frame.entries)
+    frame.replaying = True
+    impl, kept = frame.replay("dsa_indexer_topk", 0, (torch.ones(1),))
+    assert impl == "x" and torch.equal(kept[0], torch.ones(3))
+
+
+def test_the_packing_check_setting(monkeypatch):
+    from genolong.model.kept_selection import ENV_CHECK, PendingPack, pack_selection_deferred
+
+    idx = torch.arange(24, dtype=torch.int32).view(1, 2, 12)  # two rows of three whole pools of 4
+    assert isinstance(pack_selection_deferred(idx, kpool=4, topk_pools=3), PendingPack)
+    monkeypatch.setenv(ENV_CHECK, "sync")
+    kept = pack_selection_deferred(idx, kpool=4, topk_pools=3)
+    assert isinstance(kept, tuple) and torch.equal(kept[0], torch.tensor([[[0, 1, 2], [3, 4, 5]]], dtype=torch.int32))
+    monkeypatch.setenv(ENV_CHECK, "later")
+    with pytest.raises(GenolongError, match="GENOLONG_KEPT_PACK_CHECK='later' is not a setting"):
+        pack_selection_deferred(idx, kpool=4, topk_pools=3)
