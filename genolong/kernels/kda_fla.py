@@ -22,11 +22,9 @@ Outside a checkpoint fla's default stays (saved tensors would live for the whole
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from genolong.errors import GenolongError
+from genolong.errors import env_choice
 from genolong.kernels import _common
 from genolong.model import ops
 from genolong.model.kda import check_state
@@ -37,10 +35,8 @@ ENV_KEEP = "GENOLONG_KDA_KEEP"
 
 def keep_intermediates() -> bool:
     """fla keeps its intermediates for backward: inside a layer checkpoint, unless GENOLONG_KDA_KEEP=off."""
-    value = os.environ.get(ENV_KEEP, "on")
-    if value not in ("on", "off"):
-        raise GenolongError(f"{ENV_KEEP}={value!r} is not a setting; set it to on (inside a layer checkpoint fla keeps its "
-                            "intermediates instead of recomputing them in backward) or off, or unset it")
+    value = env_choice(ENV_KEEP, "on", {"on": "inside a layer checkpoint fla keeps its intermediates for backward",
+                                        "off": "fla recomputes them in backward"})
     return value == "on" and torch.is_grad_enabled() and ops.checkpointed()
 
 

@@ -12,11 +12,9 @@ Triton pass each (FUSED below).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from genolong.errors import GenolongError
+from genolong.errors import env_choice
 from genolong.model import ops
 
 # Rows compared per pass when checking that a selection packs (bounds the check's temporaries).
@@ -107,11 +105,8 @@ ENV_CHECK = "GENOLONG_KEPT_PACK_CHECK"
 
 
 def _check_setting() -> str:
-    value = os.environ.get(ENV_CHECK, "deferred")
-    if value not in ("deferred", "sync"):
-        raise GenolongError(f"{ENV_CHECK}={value!r} is not a setting; set it to deferred (the packing check's answer "
-                            "read once it has arrived) or sync (read at once: a host sync per DSA layer), or unset it")
-    return value
+    return env_choice(ENV_CHECK, "deferred", {"deferred": "the packing check's answer read once it has arrived",
+                                              "sync": "read at once: a host sync per DSA layer"})
 
 
 def pack_selection_deferred(idx: torch.Tensor, *, kpool: int, topk_pools: int):
