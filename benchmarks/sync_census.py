@@ -4,7 +4,7 @@ A host sync (`.item()`, `bool(t)`, `.tolist()`, `bincount` sizing its output, a 
 drains the launch queue: the GPU idles until the host has queued work again, and a step of many
 small kernels then runs host-bound for a while. torch reports each one when
 `torch.cuda.set_sync_debug_mode("warn")` is on; `census(run)` runs `run()` so and counts the
-warnings by the innermost frames of this project's code (genolong/, benchmarks/) or of fla, from
+warnings by the innermost frames of this project's code (the genolong package, benchmarks/) or of fla, from
 the Python stack at the moment of the warning. Ops that Python code runs inside backward (the
 layers' recompute, custom backward functions) warn on autograd's thread with that thread's stack,
 which is what we want; the few syncs autograd's C++ raises itself are replayed at the end of
@@ -13,27 +13,46 @@ backward and land on the `backward()` call.
 
 from __future__ import annotations
 
+import importlib.util
 import traceback
 import warnings
 from collections import Counter
+from pathlib import Path
 
 MARK = "synchroniz"  # torch's text: "called a synchronizing CUDA operation"
-OURS = ("/genolong/", "/benchmarks/", "/fla/")
+
+
+def _roots() -> dict[str, str]:
+    """{directory: label} of the code whose frames name a call site: the genolong package, this
+    benchmarks folder and fla, located by their modules (a checkout named "genolong" must not make
+    every frame below it, torch's in a local .venv included, look like ours)."""
+    roots = {str(Path(__file__).resolve().parent): "benchmarks"}
+    for name in ("genolong", "fla"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            roots[str(Path(next(iter(spec.submodule_search_locations))).resolve())] = name
+    return roots
+
+
+ROOTS = _roots()
+
+
+def _ours(path: str) -> str | None:
+    """`path` as label/relative path if it lies in one of ROOTS, else None."""
+    resolved = str(Path(path).resolve())
+    for root, label in ROOTS.items():
+        if resolved.startswith(root + "/"):
+            return label + "/" + resolved[len(root) + 1:]
+    return None
 
 
 def site(stack: list[traceback.FrameSummary], depth: int = 3) -> str:
     """The call site of a warning: the innermost `depth` frames of our code, innermost first."""
-    stack = [f for f in stack if not f.filename.endswith(("warnings.py", "sync_census.py"))]  # the census itself
-    ours = [f for f in stack if any(part in f.filename for part in OURS)]
+    here = str(Path(__file__).resolve())
+    stack = [f for f in stack if not f.filename.endswith("warnings.py") and str(Path(f.filename).resolve()) != here]
+    ours = [f for f in stack if _ours(f.filename)]
     frames = (ours or stack[-1:])[-depth:]
-    return " < ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
-
-
-def _short(path: str) -> str:
-    for part in OURS:
-        if part in path:
-            return part.strip("/") + "/" + path.split(part, 1)[1]
-    return path.rsplit("/", 1)[-1]
+    return " < ".join(f"{_ours(f.filename) or Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
 
 
 def census(run, *, set_mode=None) -> dict:

@@ -28,6 +28,8 @@ HOST_CATS = ("cuda_runtime", "cuda_driver")
 # Host calls that block until the device (or a stream) has finished the work before them.
 BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy", "cudaFree", "cuMemFree", "cudaMalloc", "cuMemAlloc",
             "cudaHostAlloc", "cudaHostRegister", "cudaHostUnregister", "cudaFreeHost", "cuMemHostAlloc", "cuMemHostRegister")
+# Microseconds from a launch call's return to its kernel's start on an idle stream (H100/H200: a few).
+LAUNCH_LATENCY_US = 3.0
 # Size classes of the gaps, in microseconds (upper bounds).
 BUCKETS_US = (10.0, 100.0, 1000.0, 10000.0, float("inf"))
 
@@ -74,17 +76,25 @@ def analyse(events: list[dict], *, min_gap_us: float = 5.0, top: int = 25) -> di
         per_stream[_stream(e)].append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?")))
         if e["cat"] == "kernel":
             kernel_us[_stream(e)] += float(e["dur"])
-    compute = max(kernel_us or per_stream, key=lambda s: kernel_us.get(s, 0.0))
+    # The compute stream: the most kernel time, NCCL's kernels left out (they spin while waiting for
+    # peers, so a communication stream can hold more kernel time than the one computing).
+    compute_us: dict = defaultdict(float)
+    for e in gpu:
+        if e["cat"] == "kernel" and "nccl" not in e.get("name", "").lower():
+            compute_us[_stream(e)] += float(e["dur"])
+    compute = max(compute_us or kernel_us or per_stream, key=lambda s: compute_us.get(s, kernel_us.get(s, 0.0)))
     runs = {s: _merged(iv) for s, iv in per_stream.items()}
     span = (min(r[0][0] for r in runs.values()), max(r[-1][1] for r in runs.values()))
     others = _merged([(r[0], r[1], "") for s, rs in runs.items() if s != compute for r in rs])
     other_starts = [r[0] for r in others]
 
-    host = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?"), (e.get("args") or {}).get("correlation"))
+    host = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?"),
+                   (e.get("args") or {}).get("correlation"), e.get("tid"))
                   for e in events if e.get("cat") in HOST_CATS and "ts" in e)
-    launch_at = {c: ts for ts, _, _, c in host if c is not None}
-    blocking = [(ts, end, name) for ts, end, name, _ in host if _blocking(name)]
-    blocking_ends = sorted((end, ts, name) for ts, end, name in blocking)
+    # A launch call's end and thread: a kernel queued only just before the stream ran dry still
+    # starts a few microseconds later (launch latency), which is host-bound, not a wait.
+    launch_at = {c: (end, tid) for _, end, _, c, tid in host if c is not None}
+    blocking_ends = sorted((end, ts, name, tid) for ts, end, name, _, tid in host if _blocking(name))
     first_of_run = {}
     for e in gpu:
         if _stream(e) == compute:
@@ -98,16 +108,17 @@ def analyse(events: list[dict], *, min_gap_us: float = 5.0, top: int = 25) -> di
         gap = hi - lo
         if gap < min_gap_us:
             continue
-        launched = launch_at.get(first_of_run.get(nxt[0]))
+        launch_end, launch_tid = launch_at.get(first_of_run.get(nxt[0]), (None, None))
         if not host:
             cause = "unknown (no host runtime calls in the trace)"
-        elif launched is not None and launched < lo:
+        elif launch_end is not None and launch_end + LAUNCH_LATENCY_US < lo:
             cause = "stream wait"
         else:
-            # The blocking call the host was in when the stream ran dry, or that ended before the launch.
-            until = launched if launched is not None else hi
+            # The blocking call the launching thread was in when the stream ran dry, or that ended before the launch.
+            until = launch_end if launch_end is not None else hi
             i = bisect.bisect_left(blocking_ends, (lo - 0.5 * gap,))
-            names = [name for end, ts, name in blocking_ends[i:] if ts <= lo + 0.5 * gap and end <= until + 1.0]
+            names = [name for end, ts, name, tid in blocking_ends[i:]
+                     if ts <= lo + 0.5 * gap and end <= until + 1.0 and (launch_tid is None or tid == launch_tid)]
             cause = f"host sync: {names[0]}" if names else "host-bound"
         busy_elsewhere = _overlap(others, other_starts, lo, hi)
         entry = by_cause[cause]

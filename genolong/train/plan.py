@@ -223,7 +223,14 @@ def _kda(config: ModelConfig, a: int) -> dict[str, int]:
 
 def _kda_op_internals(config: ModelConfig, a: int) -> int:
     """fla chunk_kda's own saved tensors beyond its inputs: the q/k norms' rstd and Aqk, Akk.
-    (Its normalised q and k replace the inputs q and k it does not keep.)"""
+    (Its normalised q and k replace the inputs q and k it does not keep.)
+
+    Not itemised: inside a layer checkpoint it also keeps w, u, the gated q and k and v_new from
+    the recompute to its backward (genolong.kernels.kda_fla; 5 KiB a token for glm53-mini, 2.5 GiB
+    at 512k). On the H200 they did not move the measured peak (512k: 104.38 GiB before and after;
+    128k +0.41 GiB; 2026-12-03), while this plan, already 24 GiB above that peak at 512k, would
+    offload two more layers than the run that measured it if they were counted here. Count them
+    when a run has measured the plan with them."""
     heads = config.kda.num_heads
     return 2 * FP32 * heads * KDA_CHUNK + 2 * FP32 * heads
 

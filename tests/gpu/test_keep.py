@@ -55,3 +55,23 @@ def test_kept_sparse_attention_from_pinned_memory_trains_like_a_full_recompute()
     assert abs(kept_loss - full_loss) <= 1e-4 * abs(full_loss)  # the same forward (up to atomic-add order)
     # Both bf16; only the atomic-add order of the sparse backward (and MoE) differs.
     assert rel <= 1e-2, rel
+
+
+@pytest.mark.parametrize("packs", [True, False])
+def test_the_deferred_pack_check_on_cuda_resolves_as_the_synchronous_one(packs):
+    """The flag travels on its own stream to pinned memory: resolving must wait for it (the compute
+    stream is kept busy first, so the answer arrives late) and choose what the synchronous check does."""
+    from genolong.model.kept_selection import PendingPack, pack_selection, pack_selection_deferred
+
+    pools = torch.arange(0, 4096, 2, device="cuda", dtype=torch.int32).view(1, 8, 256)  # 256 pools of 4 a row
+    idx = torch.cat([(pools[..., None] * 4 + torch.arange(4, device="cuda", dtype=torch.int32)).flatten(-2),
+                     torch.full((1, 8, 3), -1, device="cuda", dtype=torch.int32)], dim=-1)
+    if not packs:
+        idx[0, 5, :2] = idx[0, 5, :2].flip(0)
+    torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU work queued before the check
+    pending = pack_selection_deferred(idx, kpool=4, topk_pools=256)
+    assert isinstance(pending, PendingPack) and pending.value is idx
+    kept = pending.resolve()
+    want = pack_selection(idx, kpool=4, topk_pools=256)
+    assert len(kept) == len(want) == (2 if packs else 1)
+    assert all(torch.equal(a, b) for a, b in zip(kept, want))

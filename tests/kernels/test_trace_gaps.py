@@ -78,3 +78,32 @@ def test_the_sync_census_counts_synchronising_calls_by_our_call_site():
     assert result["syncs"] == 3
     (where, n), = result["sites"].items()
     assert n == 3 and where.startswith("test_trace_gaps.py:") and where.endswith(" step")  # the innermost frame
+
+
+def test_launch_latency_another_threads_sync_and_nccl_streams_are_not_misread():
+    from trace_gaps import analyse
+
+    events = [
+        _host("cudaLaunchKernel", 0, 2, 1), _kernel("A", 10, 90, 1),  # A: 10-100
+        _host("cudaLaunchKernel", 97, 2, 2), _kernel("B", 120, 10, 2),  # launched 1 us before A ended: host-bound
+        {**_host("cudaStreamSynchronize", 100, 101), "tid": 2},  # another thread's sync, ending in the 2nd gap: not its cause
+        _host("cudaLaunchKernel", 200, 2, 3), _kernel("C", 210, 10, 3),  # gap 130-210 on the launching thread: host-bound
+        _kernel("ncclDevKernel_AllReduce", 0, 1000, 9, stream=21),  # spins the whole time on its own stream
+    ]
+    s = analyse(events)
+    assert s["compute_stream"] == [0, 7]  # not the NCCL stream with more kernel time
+    assert set(s["gaps_by_cause"]) == {"host-bound"}
+    assert s["gaps_by_cause"]["host-bound"]["count"] == 2
+
+
+def test_a_call_site_is_named_by_the_package_not_by_a_directory_called_genolong():
+    import traceback
+    from pathlib import Path
+
+    import genolong.kernels.moe_grouped as ours
+    from sync_census import site
+
+    torch_frame = traceback.FrameSummary("/home/me/genolong/.venv/lib/python3.11/site-packages/torch/functional.py", 10, "bincount")
+    our_frame = traceback.FrameSummary(str(Path(ours.__file__)), 70, "experts_grouped")
+    assert site([our_frame, torch_frame]) == "genolong/kernels/moe_grouped.py:70 experts_grouped"
+    assert site([torch_frame]) == "functional.py:10 bincount"  # nothing of ours: the innermost frame
