@@ -9,9 +9,9 @@ values and int64 positions), the comparison, an all and a searchsorted: seven pa
 per row loads the row once, scans it in registers and writes its C + 1 bounds and whether it
 ascends (one int32 flag for the launch, lowered with an atomic min). Integer arithmetic only: the
 result equals the PyTorch form's exactly (tests/kernels/test_chunk_bounds.py, in the interpreter;
-tests/gpu/test_selection_passes.py on the H200). Opt-in (GENOLONG_SPARSE_MLA_BOUNDS=triton): with
-the fused kept selection it saves ~142 ms of GPU time in a profiled 128k step, but 4 counted steps an
-arm were not faster (2026-12-03, benchmarks/RESULTS.md).
+tests/gpu/test_selection_passes.py on the H200). The default on CUDA (GENOLONG_SPARSE_MLA_BOUNDS=torch
+keeps the PyTorch passes): with the fused kept selection a 128k step ran 6.25 s against 6.35 s (each
+of four counted steps faster; 2026-12-03, eighteenth session, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

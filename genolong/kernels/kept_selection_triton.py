@@ -11,9 +11,11 @@ from their expansion (one int32 flag for the launch, raised with an atomic max);
 one program per row writing the whole row. Integer arithmetic only: the same tensors as the
 PyTorch form (tests/kernels/test_kept_selection_triton.py, in the interpreter).
 
-Opt-in, `GENOLONG_KEPT_SELECTION=triton`: equal to the PyTorch passes on the H200 (tests/gpu/
-test_selection_passes.py); with the fused row bounds a profiled 128k step spends 142 ms less GPU
-time, but 4 counted steps an arm were not faster (7.54 vs 7.20 s mean, 2026-12-03; benchmarks/RESULTS.md).
+The default on CUDA (`GENOLONG_KEPT_SELECTION=torch` keeps the PyTorch passes): equal to them on the
+H200 (tests/gpu/test_selection_passes.py); with the fused row bounds a 128k step ran 6.25 s against
+6.35 s, each of four counted steps faster (2026-12-03, eighteenth session; benchmarks/RESULTS.md).
+Before the step's host syncs were removed the 142 ms of GPU time they save did not show in the
+wall clock (7.54 vs 7.20 s, sixteenth session).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ ENV = "GENOLONG_KEPT_SELECTION"
 
 def enabled(t: torch.Tensor, kpool: int) -> bool:
     """Whether the fused passes take this selection: int32 on CUDA (or in Triton's interpreter), a
-    power-of-two pool size, and asked for (GENOLONG_KEPT_SELECTION=triton)."""
-    setting = os.environ.get(ENV, "torch")
+    power-of-two pool size, and not turned off (GENOLONG_KEPT_SELECTION=torch)."""
+    setting = os.environ.get(ENV, "triton")
     if setting not in ("triton", "torch"):
         raise GenolongError(f"{ENV}={setting!r} is not triton or torch; unset it or set one of those")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"

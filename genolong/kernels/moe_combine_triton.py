@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from genolong.errors import env_choice
+
 try:
     import triton
     import triton.language as tl
@@ -45,12 +47,23 @@ def combine_mode() -> str:
     return mode
 
 
+ENV_DISPATCH = "GENOLONG_MOE_DISPATCH"
+
+
+def dispatch_mode() -> str:
+    """"triton" (default: `dispatch`, the read-side backward) or "index" (`dispatch_index`, autograd's)."""
+    return env_choice(ENV_DISPATCH, "triton", {"triton": "the dispatch's backward as a read-side sum (moe_combine_triton.dispatch)",
+                                               "index": "advanced indexing, autograd's sorted index backward"})
+
+
 if triton is not None:
 
     # D (the hidden size) is a compile-time constant: one build per model width, and the backward's
     # loop over column blocks has a fixed trip count (a runtime bound does not run in the interpreter).
+    # UNWEIGHTED: the plain sum of the k rows (w_ptr unread): the dispatch's backward (_Dispatch).
     @triton.jit
-    def _combine_fwd_kernel(out_ptr, inverse_ptr, w_ptr, y_ptr, n_tokens, D: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    def _combine_fwd_kernel(out_ptr, inverse_ptr, w_ptr, y_ptr, n_tokens, D: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                            UNWEIGHTED: tl.constexpr):
         tok = tl.program_id(0) * BT + tl.arange(0, BT)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         live = tok < n_tokens
@@ -59,9 +72,12 @@ if triton is not None:
         for j in range(K):
             slot = tok.to(tl.int64) * K + j
             row = tl.load(inverse_ptr + slot, mask=live, other=0)
-            w = tl.load(w_ptr + slot, mask=live, other=0.0).to(tl.float32)
             v = tl.load(out_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += w[:, None] * v
+            if UNWEIGHTED:
+                acc += v
+            else:
+                w = tl.load(w_ptr + slot, mask=live, other=0.0).to(tl.float32)
+                acc += w[:, None] * v
         tl.store(y_ptr + tok[:, None].to(tl.int64) * D + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -82,18 +98,32 @@ if triton is not None:
         tl.store(dw_ptr + slot, dot, mask=live)
 
 
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The row of each slot: inverse[order[i]] = i (order is a permutation of the slots)."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
+    return inverse
+
+
+def _sum_rows(out: torch.Tensor, order: torch.Tensor, weight: torch.Tensor | None, k: int) -> torch.Tensor:
+    """y[t] = sum_j w[t * k + j] * out[row of slot t * k + j] (w = 1 without `weight`), fp32 sums."""
+    rows, hidden = out.shape
+    n_tokens = rows // k
+    out = out.contiguous()
+    y = torch.empty(n_tokens, hidden, dtype=out.dtype, device=out.device)
+    if n_tokens:
+        grid = (triton.cdiv(n_tokens, BT), triton.cdiv(hidden, BD))
+        w = out if weight is None else weight.contiguous()  # unread when unweighted
+        _combine_fwd_kernel[grid](out, _inverse(order), w, y, n_tokens, D=hidden, K=k, BT=BT, BD=BD,
+                                  UNWEIGHTED=weight is None, num_warps=4)
+    return y
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, order, weight, k):
-        rows, hidden = out.shape
-        n_tokens = rows // k
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(rows, device=order.device, dtype=order.dtype)
         out = out.contiguous()
-        y = torch.empty(n_tokens, hidden, dtype=out.dtype, device=out.device)
-        if n_tokens:
-            grid = (triton.cdiv(n_tokens, BT), triton.cdiv(hidden, BD))
-            _combine_fwd_kernel[grid](out, inverse, weight.contiguous(), y, n_tokens, D=hidden, K=k, BT=BT, BD=BD, num_warps=4)
+        y = _sum_rows(out, order, weight, k)
         ctx.save_for_backward(out, order, weight)
         ctx.k = k
         return y
@@ -122,6 +152,35 @@ def combine(out: torch.Tensor, order: torch.Tensor, weight: torch.Tensor, k: int
     return _Combine.apply(out, order, weight, k)
 
 
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, k):
+        ctx.k = k
+        ctx.save_for_backward(order)
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, drows):
+        (order,) = ctx.saved_tensors
+        return _sum_rows(drows, order, None, ctx.k), None, None
+
+
+def dispatch(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """rows [n * k, D]: rows[i] = x[order[i] // k], the tokens' rows in expert order (the combine's
+    inverse). The same values as `x[order // k]`; its backward sums each token's k row gradients
+    read-side, the combine's forward with unit weights (fp32 sums, one write per token), where
+    autograd's index backward sorts the indices and accumulates them (on the H200 a 128k glm53-mini
+    step: `indexing_backward_kernel` 30 ms in 168 calls plus its sorts)."""
+    if triton is None:
+        raise RuntimeError("the Triton MoE dispatch needs triton (the gpu extra)")
+    return _Dispatch.apply(x, order, k)
+
+
+def dispatch_index(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """`dispatch` by advanced indexing (autograd's index backward): the old path and the reference."""
+    return x[order // k]
+
+
 def combine_index_add(out: torch.Tensor, order: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
     """The same sum as the grouped path has always computed it (and as the model's reference does):
     bf16-rounded products added to their tokens with index_add."""
@@ -139,6 +198,7 @@ def aot_compile(hidden: int = 512, k: int = 4, arch: int = 90) -> dict:
     bwd = {"out_ptr": "*bf16", "order_ptr": "*i64", "w_ptr": "*fp32", "dy_ptr": "*bf16", "dout_ptr": "*bf16",
            "dw_ptr": "*fp32", "n_rows": "i32"}
     return {
-        "forward": aot.build(_combine_fwd_kernel, fwd, dict(D=hidden, K=k, BT=BT, BD=BD), num_warps=4, arch=arch),
+        "forward": aot.build(_combine_fwd_kernel, fwd, dict(D=hidden, K=k, BT=BT, BD=BD, UNWEIGHTED=False), num_warps=4, arch=arch),
+        "dispatch backward": aot.build(_combine_fwd_kernel, fwd, dict(D=hidden, K=k, BT=BT, BD=BD, UNWEIGHTED=True), num_warps=4, arch=arch),
         "backward": aot.build(_combine_bwd_kernel, bwd, dict(D=hidden, K=k, BR=BR, BD=BD), num_warps=4, arch=arch),
     }

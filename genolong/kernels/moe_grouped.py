@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from genolong.kernels import _common, moe_combine_triton, swiglu_triton
-from genolong.kernels.moe_combine_triton import combine_index_add
+from genolong.kernels.moe_combine_triton import combine_index_add, dispatch_index
 from genolong.model.mlp import clamped_swiglu
 from genolong.model.ops import KernelUnsupported
 
@@ -54,10 +54,19 @@ def swiglu_eager(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     return clamped_swiglu(*gate_up.chunk(2, dim=-1), limit)
 
 
+def sort_keys(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The expert indices as the narrowest integers that hold them, for the sort: a radix sort makes
+    one pass per 8 key bits, so int16 keys take 2 passes where the router's int64 take 8."""
+    if n_experts <= torch.iinfo(torch.int16).max:
+        return flat.to(torch.int16)
+    return flat.to(torch.int32)
+
+
 def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limit, chunk_tokens=None, mm=grouped_mm,
-                    combine=combine_index_add, swiglu=swiglu_eager):
+                    combine=combine_index_add, swiglu=swiglu_eager, dispatch=dispatch_index):
     """combine(out, order, weight, k): the weighted sum back to the tokens (moe_combine_triton.py);
-    swiglu(gate_up, limit): the activation on [gate | up] (swiglu_triton.py fuses it)."""
+    swiglu(gate_up, limit): the activation on [gate | up] (swiglu_triton.py fuses it);
+    dispatch(x, order, k): the tokens' rows in expert order (moe_combine_triton.dispatch: a read-side backward)."""
     n_tokens, k = topk_idx.shape
     n_experts, two_inter, hidden = gate_up_proj.shape
     inter = two_inter // 2
@@ -69,10 +78,9 @@ def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limi
     for n0 in range(0, n_tokens, chunk_tokens):
         idx = topk_idx[n0 : n0 + chunk_tokens]
         flat = idx.reshape(-1)
-        experts_sorted, order = torch.sort(flat, stable=True)
+        experts_sorted, order = torch.sort(sort_keys(flat, n_experts), stable=True)
         offs = expert_offsets(experts_sorted, n_experts)
-        token = order // k
-        rows = x[n0 : n0 + chunk_tokens][token]
+        rows = dispatch(x[n0 : n0 + chunk_tokens], order, k)
         h = swiglu(mm(rows, w_gate_up, offs), swiglu_limit)
         out = mm(h, w_down, offs)
         outputs.append(combine(out, order, topk_w[n0 : n0 + chunk_tokens].reshape(-1), k))
@@ -94,5 +102,6 @@ def moe_experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_
         raise KernelUnsupported(f"grouped GEMM needs 16-byte aligned rows: hidden {hidden}, 2*inter {two_inter}")
     combine = moe_combine_triton.combine if moe_combine_triton.combine_mode() == "triton" else combine_index_add
     swiglu = swiglu_triton.clamped_swiglu_packed if swiglu_triton.swiglu_mode() == "triton" else swiglu_eager
+    dispatch = moe_combine_triton.dispatch if moe_combine_triton.dispatch_mode() == "triton" else dispatch_index
     return experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, swiglu_limit=swiglu_limit, combine=combine,
-                           swiglu=swiglu)
+                           swiglu=swiglu, dispatch=dispatch)

@@ -6,8 +6,8 @@ GLM-5.3's 512 pools of 4, 4 GiB per DSA layer at 512k. Kept until backward in pi
 for 11 layers that is 44 GiB; as one pool index per group plus the tail slots it is 2 KiB a token,
 and expanding it again is one pass. A row whose groups are not whole pools in ascending token
 order (an implementation free to order a row otherwise, docs/ops.md) is kept as it is. With the
-kernels loaded and GENOLONG_KEPT_SELECTION=triton (opt-in) the check and the expansion run as one
-Triton pass each (FUSED below).
+kernels loaded on CUDA the check and the expansion run as one Triton pass each (FUSED below;
+GENOLONG_KEPT_SELECTION=torch keeps the PyTorch passes).
 """
 
 from __future__ import annotations

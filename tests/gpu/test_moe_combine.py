@@ -54,3 +54,28 @@ def moe_block_arms(monkeypatch, env: str, modes: tuple, x_scale: float = 1.0) ->
 def test_moe_block_with_the_triton_combine_matches_index_add(monkeypatch):
     for a, b in zip(*moe_block_arms(monkeypatch, "GENOLONG_MOE_COMBINE", ("index_add", "triton"))):
         assert ((a - b).norm() / b.norm().clamp_min(1e-12)).item() < 2e-2
+
+
+def test_moe_block_with_the_read_side_dispatch_backward_matches_indexing(monkeypatch):
+    # The rows are the same values; only d x is summed differently (fp32 over each token's k rows, one
+    # rounding, against autograd's index backward), so everything downstream of it agrees to bf16.
+    for a, b in zip(*moe_block_arms(monkeypatch, "GENOLONG_MOE_DISPATCH", ("index", "triton"))):
+        assert ((a - b).norm() / b.norm().clamp_min(1e-12)).item() < 2e-2
+
+
+def test_triton_dispatch_in_bf16_matches_indexing():
+    from genolong.kernels import moe_combine_triton as mc
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tokens, k, hidden = 5000, 4, 512
+    order = torch.sort(torch.randint(0, 64, (tokens * k,), generator=g, device="cuda").to(torch.int16), stable=True).indices
+    x = torch.randn(tokens, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+    drows = torch.randn(tokens * k, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+    got = []
+    for dispatch in (mc.dispatch_index, mc.dispatch):
+        xi = x.clone().requires_grad_()
+        rows = dispatch(xi, order, k)
+        rows.backward(drows)
+        got.append((rows, xi.grad.float()))
+    assert torch.equal(got[0][0], got[1][0])
+    assert ((got[0][1] - got[1][1]).norm() / got[0][1].norm()).item() < 1e-2

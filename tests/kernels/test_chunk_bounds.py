@@ -20,7 +20,7 @@ from genolong.kernels import chunk_bounds_triton, sparse_mla
 from genolong.kernels.row_order import RowOrder
 
 def torch_form(idx, edges):
-    # key_chunk_rows' PyTorch passes (GENOLONG_SPARSE_MLA_BOUNDS unset): with a fresh order the rows are
+    # key_chunk_rows' PyTorch passes (GENOLONG_SPARSE_MLA_BOUNDS=torch, set by the test): with a fresh order the rows are
     # walked as they are, so it returns the suffix-minimum ranges even for rows that do not ascend,
     # and the order holds its answer (on the CPU it arrives at once).
     order = RowOrder()
@@ -63,7 +63,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def interpreted():
-    return run_cases(_INTERPRETED, CASES)
+    return run_cases(_INTERPRETED, CASES, {sparse_mla.ENV_BOUNDS: "torch"})
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])

@@ -75,7 +75,7 @@ def test_only_int32_selections_with_power_of_two_pools_take_the_fused_passes_whe
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv(kept_selection_triton.ENV, raising=False)
     t = torch.zeros(2, 7, dtype=torch.int32)
-    assert not kept_selection_triton.enabled(t, 4)  # opt-in
+    assert kept_selection_triton.enabled(t, 4)  # the default
     monkeypatch.setenv(kept_selection_triton.ENV, "triton")
     assert kept_selection_triton.enabled(t, 4) and not kept_selection_triton.enabled(t, 3)
     assert not kept_selection_triton.enabled(t.long(), 4)

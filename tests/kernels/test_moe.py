@@ -55,6 +55,17 @@ def test_expert_offsets_are_the_cumulative_counts_per_expert(case):
         "one_expert": torch.full((64,), 7),
         "no_rows": torch.zeros(0, dtype=torch.long),
     }[case]
-    got = moe.expert_offsets(torch.sort(flat, stable=True).values, n_experts)
     want = torch.cumsum(torch.bincount(flat, minlength=n_experts), 0).to(torch.int32)
-    assert got.dtype == torch.int32 and torch.equal(got, want)
+    wide = torch.sort(flat, stable=True)
+    narrow = torch.sort(moe.sort_keys(flat, n_experts), stable=True)
+    assert torch.equal(narrow.indices, wide.indices)  # the narrow keys give the same stable order
+    for keys in (wide.values, narrow.values):
+        got = moe.expert_offsets(keys, n_experts)
+        assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+def test_sort_keys_are_the_narrowest_integers_that_hold_the_experts():
+    flat = torch.tensor([0, 5, 2], dtype=torch.int64)
+    assert moe.sort_keys(flat, 288).dtype == torch.int16  # GLM-5.3-Flash's 288 experts
+    assert torch.equal(moe.sort_keys(flat, 288).long(), flat)
+    assert moe.sort_keys(flat, 40000).dtype == torch.int32

@@ -1,6 +1,7 @@
-"""The atomics-free MoE combine (genolong/kernels/moe_combine_triton.py) in Triton's CPU interpreter
-against the index_add combine it may replace: the grouped MoE path's output and the gradients of
-x, both expert weights and the router weights; the sm_90 builds; the setting that picks it."""
+"""The atomics-free MoE combine and the dispatch's read-side backward (genolong/kernels/moe_combine_triton.py)
+in Triton's CPU interpreter against the index_add combine and the indexing dispatch they replace: the
+grouped MoE path's output and the gradients of x, both expert weights and the router weights; the
+dispatch alone, values and gradient; the sm_90 builds; the settings that pick them."""
 
 import importlib.util
 import json
@@ -29,16 +30,30 @@ gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
 down = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
 dy = torch.randn(n, hidden, generator=g)
 
-def run(combine):
+def run(combine, dispatch):
     leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
     y = mg.experts_grouped(leaves[0], idx, leaves[1], leaves[2], leaves[3], swiglu_limit=1.5, chunk_tokens=20,
-                           mm=mg.grouped_mm_loop, combine=combine)
+                           mm=mg.grouped_mm_loop, combine=combine, dispatch=dispatch)
     (y * dy).sum().backward()
     return [y] + [t.grad for t in leaves]
 
-ref, got = run(mg.combine_index_add), run(mc.combine)
 names = ["y", "d x", "d router weights", "d gate_up", "d down"]
-print(json.dumps({name: ((a - b).norm() / b.norm()).item() for name, a, b in zip(names, got, ref)}))
+ref = run(mg.combine_index_add, mc.dispatch_index)
+for label, combine, dispatch in (("combine", mc.combine, mc.dispatch_index), ("dispatch", mg.combine_index_add, mc.dispatch),
+                                 ("both", mc.combine, mc.dispatch)):
+    got = run(combine, dispatch)
+    print(label, json.dumps({name: ((a - b).norm() / b.norm()).item() for name, a, b in zip(names, got, ref)}))
+
+# The dispatch alone: the same rows as indexing; its gradient, each token's k row gradients summed,
+# against autograd's index backward (a token routed to fewer slots than k cannot happen: top-k).
+order = torch.sort(idx.reshape(-1), stable=True).indices
+xs = [x.clone().requires_grad_() for _ in range(2)]
+rows = [mc.dispatch(xs[0], order, k), mc.dispatch_index(xs[1], order, k)]
+drows = torch.randn(rows[0].shape, generator=g)
+for r in rows:
+    (r * drows).sum().backward()
+print("alone", json.dumps({"same rows": bool(torch.equal(rows[0], rows[1])),
+                           "d x": ((xs[0].grad - xs[1].grad).norm() / xs[1].grad.norm()).item()}))
 """
 
 
@@ -47,10 +62,15 @@ def test_triton_combine_in_the_interpreter_matches_index_add_with_every_gradient
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    errors = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(errors) == 5
-    for name, err in errors.items():
-        assert err < 1e-6, (name, err)  # fp32 both ways: only the order of the k adds differs
+    results = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines()[-4:])
+    assert sorted(results) == ["alone", "both", "combine", "dispatch"], run.stdout[-2000:]
+    for label in ("combine", "dispatch", "both"):
+        errors = json.loads(results[label])
+        assert len(errors) == 5
+        for name, err in errors.items():
+            assert err < 1e-6, (label, name, err)  # fp32 both ways: only the order of the k adds differs
+    alone = json.loads(results["alone"])
+    assert alone["same rows"] and alone["d x"] < 1e-6, alone
 
 
 @needs_triton
@@ -71,3 +91,16 @@ def test_combine_setting_names_a_wrong_value(monkeypatch):
         combine_mode()
     monkeypatch.delenv("GENOLONG_MOE_COMBINE")
     assert combine_mode() == "triton"
+
+
+def test_dispatch_setting_names_a_wrong_value(monkeypatch):
+    from genolong.errors import GenolongError
+    from genolong.kernels.moe_combine_triton import ENV_DISPATCH, dispatch_mode
+
+    monkeypatch.delenv(ENV_DISPATCH, raising=False)
+    assert dispatch_mode() == "triton"
+    monkeypatch.setenv(ENV_DISPATCH, "index")
+    assert dispatch_mode() == "index"
+    monkeypatch.setenv(ENV_DISPATCH, "scatter")
+    with pytest.raises(GenolongError, match="GENOLONG_MOE_DISPATCH='scatter' is not a setting; set it to triton"):
+        dispatch_mode()
