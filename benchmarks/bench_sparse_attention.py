@@ -4,6 +4,7 @@ kernels (each forward / dkv mode) against megatron-core's padded TileLang kernel
     python benchmarks/bench_sparse_attention.py --out runs/sparse                   # < 5 min on a fresh H200
     python benchmarks/bench_sparse_attention.py --preset iter2 --out runs/sparse2   # the grouped kernels' cells, < 4 min
     python benchmarks/bench_sparse_attention.py --preset grouped-check --budget-s 160 --out runs/sparse2c  # parity + grouped vs default, < 200 s
+    python benchmarks/bench_sparse_attention.py --preset split-adds --skip-parity --budget-s 290 --out runs/sparse3  # split products, layout adds
 
 1. Parity (first, at 4096 tokens): every candidate launch config of each mode against the fp32
    reference at 4, 16 and 64 heads: relative error of out, dq, dkv and the max abs error of lse.
@@ -64,32 +65,48 @@ FWD_IMPLS = ("triton-fwd", "triton-kcfwd-fwd", "triton-grouped-fwd", "megatron-f
 # forward alone with a pinned launch config: triton-cfg<HB>x<BN>x<warps>x<stages>-fwd.
 KCFWD_PREFIX = "triton-kcfwd"
 PROBES = ("probe-grouped-bwd", "probe-grouped-bwd-nodkv", "probe-keychunk-bwd", "probe-pack")
-# v1's backward probes, any of: probe-{keychunk,atomic}-bwd[-nodkv|-store][-nopack][-kc<keys per chunk>][-cfg<HB>x<BN>x<warps>x<stages>[t]]
+# v1's backward probes, any of: probe-{keychunk,atomic}-bwd[-nodkv|-store][-nopack][-layout][-kc<keys per chunk>][-cfg<config>]
 # (-nodkv: no dkv products or adds; -store: plain stores instead of the adds; wrong dkv both;
-# -nopack: q and dO kept apart (GENOLONG_SPARSE_MLA_PACK=off); -cfg: another pinned launch config, "t" its slot-major form).
+# -nopack: q and dO kept apart (GENOLONG_SPARSE_MLA_PACK=off); -layout: the fp32 adds from the products'
+# own layout (GENOLONG_SPARSE_MLA_ADDS=layout; default tl.atomic_add); -cfg: another pinned launch config, <HB>x<BN>x<warps>x<stages>, then
+# k<slices> for products split over the latent columns (Config.split_k), t for the slot-major form).
 PROBE_CONFIG = sparse_mla_triton.Config(16, 16, 4, 5)
 PARITY_MODES = ("atomic", "keychunk", "grouped", "kcfwd")
 
 
-def parse_probe(impl: str) -> tuple[str, str, int, sparse_mla_triton.Config, bool]:
-    """(dkv mode, dkv op, key chunk, launch config, pack) of a backward probe's name; SystemExit for a malformed one."""
+def parse_config(text: str, slot_major: bool = False) -> sparse_mla_triton.Config | None:
+    """<HB>x<BN>x<warps>x<stages>, then optionally k<slices> (Config.split_k) and, where `slot_major`
+    is allowed, t: the launch config it names; None if it names none."""
+    major = slot_major and text.endswith("t")
+    text = text.removesuffix("t") if major else text
+    text, k, split = text.partition("k")
+    numbers = text.split("x")
+    if len(numbers) != 4 or not all(n.isdigit() and int(n) > 0 for n in numbers) or (k and not (split.isdigit() and int(split) > 0)):
+        return None
+    return sparse_mla_triton.Config(*map(int, numbers), slot_major=major, split_k=int(split or 1))
+
+
+def parse_probe(impl: str) -> tuple[str, str, int, sparse_mla_triton.Config, bool, str]:
+    """(dkv mode, dkv op, key chunk, launch config, pack, adds) of a backward probe's name; SystemExit for a malformed one."""
     parts = impl.split("-")
     if len(parts) < 3 or parts[0] != "probe" or parts[1] not in ("keychunk", "atomic", "grouped") or parts[2] != "bwd":
-        sys.exit(f"{impl}: not a backward probe (probe-{{keychunk,atomic,grouped}}-bwd[-nodkv|-store][-kcN][-cfgHBxBNxWxS[t]])")
-    dkv_op, key_chunk, config, pack = "add", sparse_mla.KEY_CHUNK, PROBE_CONFIG, True
+        sys.exit(f"{impl}: not a backward probe (probe-{{keychunk,atomic,grouped}}-bwd[-nodkv|-store][-kcN][-cfgHBxBNxWxS[kN][t]])")
+    dkv_op, key_chunk, config, pack, adds = "add", sparse_mla.KEY_CHUNK, PROBE_CONFIG, True, "coalesced"
     for extra in parts[3:]:
-        numbers = extra[3:].removesuffix("t").split("x")
+        pinned = parse_config(extra[3:], slot_major=True) if extra.startswith("cfg") else None
         if extra in ("nodkv", "store"):
             dkv_op = "skip" if extra == "nodkv" else "store"
         elif extra == "nopack":
             pack = False
+        elif extra == "layout":
+            adds = "layout"
         elif extra.startswith("kc") and extra[2:].isdigit() and int(extra[2:]) > 0:
             key_chunk = int(extra[2:])
-        elif extra.startswith("cfg") and len(numbers) == 4 and all(n.isdigit() and int(n) > 0 for n in numbers):
-            config = sparse_mla_triton.Config(*map(int, numbers), slot_major=extra.endswith("t"))
+        elif pinned:
+            config = pinned
         else:
-            sys.exit(f"{impl}: unknown probe option {extra!r} (nodkv, store, nopack, kc<keys>, cfg<HB>x<BN>x<warps>x<stages>[t])")
-    return parts[1], dkv_op, key_chunk, config, pack
+            sys.exit(f"{impl}: unknown probe option {extra!r} (nodkv, store, nopack, layout, kc<keys>, cfg<HB>x<BN>x<warps>x<stages>[k<slices>][t])")
+    return parts[1], dkv_op, key_chunk, config, pack, adds
 
 
 def is_impl(impl: str) -> bool:
@@ -102,11 +119,10 @@ def is_impl(impl: str) -> bool:
         return True
     return False
 def forward_config(impl: str) -> sparse_mla_triton.Config | None:
-    """The pinned launch config of a triton-cfg<HB>x<BN>x<warps>x<stages>-fwd cell (v1's forward
+    """The pinned launch config of a triton-cfg<HB>x<BN>x<warps>x<stages>[k<slices>]-fwd cell (v1's forward
     alone with that config instead of the timed candidates); None for any other name."""
-    numbers = impl.removeprefix("triton-cfg").removesuffix("-fwd").split("x")
-    if impl.startswith("triton-cfg") and impl.endswith("-fwd") and len(numbers) == 4 and all(n.isdigit() and int(n) > 0 for n in numbers):
-        return sparse_mla_triton.Config(*map(int, numbers))
+    if impl.startswith("triton-cfg") and impl.endswith("-fwd"):
+        return parse_config(impl.removeprefix("triton-cfg").removesuffix("-fwd"))
     return None
 
 
@@ -161,6 +177,22 @@ PRESETS = {
         ("128k", 4, "triton-grouped"), ("128k", 4, "triton-keychunk"), ("128k", 16, "triton-grouped"),
         ("128k", 16, "triton-keychunk"), ("128k", 64, "triton-grouped"), ("128k", 64, "triton-keychunk"),
         ("512k", 4, "triton-grouped"), ("512k", 4, "triton-keychunk")]),
+    # The split score products (Config.split_k) and the adds in the products' layout
+    # (GENOLONG_SPARSE_MLA_ADDS=layout; nineteenth session, not yet run): each backward beside the
+    # default backward, each forward beside the default's pinned config, at 4, 64 and 16 heads; the
+    # default op last. Parity is tests/gpu/test_sparse_mla.py -k split (run with --skip-parity).
+    "split-adds": dict(parity_modes="keychunk", cells=[
+        ("128k", 4, "probe-keychunk-bwd"), ("128k", 4, "probe-keychunk-bwd-layout"),
+        ("128k", 4, "probe-keychunk-bwd-cfg16x16x4x5k4"), ("128k", 4, "probe-keychunk-bwd-layout-cfg16x16x4x5k4"),
+        ("128k", 4, "triton-cfg16x32x8x5-fwd"), ("128k", 4, "triton-cfg16x32x8x5k8-fwd"),
+        ("128k", 4, "triton-cfg16x32x4x5k4-fwd"), ("128k", 4, "triton-cfg16x16x4x5k4-fwd"),
+        ("512k", 4, "probe-keychunk-bwd"), ("512k", 4, "probe-keychunk-bwd-layout"),
+        ("512k", 4, "probe-keychunk-bwd-layout-cfg16x16x4x5k4"),
+        ("64k", 64, "probe-keychunk-bwd-cfg32x16x8x5"), ("64k", 64, "probe-keychunk-bwd-layout-cfg32x16x8x5"),
+        ("64k", 64, "probe-keychunk-bwd-layout-cfg32x16x8x5k8"), ("64k", 64, "triton-cfg64x32x8x5-fwd"),
+        ("64k", 64, "triton-cfg32x16x8x5k8-fwd"),
+        ("128k", 16, "probe-keychunk-bwd"), ("128k", 16, "probe-keychunk-bwd-layout"),
+        ("128k", 16, "probe-keychunk-bwd-layout-cfg16x16x8x5k4"), ("128k", 4, "triton-keychunk")]),
 }
 TILELANG_BUILD_S = 110  # a TileLang build of megatron's forward + backward for a new head count
 
@@ -271,18 +303,20 @@ def make_step(impl: str, seq: int, heads: int, idx: torch.Tensor, scale: float):
     if impl.startswith("probe-"):
         with torch.no_grad():
             out, lse = sparse_mla._forward(q.detach(), kv.detach(), idx, scale)
-        mode, dkv_op, key_chunk, config, pack = parse_probe(impl)
+        mode, dkv_op, key_chunk, config, pack, adds = parse_probe(impl)
         # v1's probes pin one launch config (by default the one the H200 chose for the key-chunked
         # pass, 2026-12-01), so that they time the same build and leave no choice behind for the cells.
         config = None if mode == "grouped" else config
 
         def probe():
             os.environ[sparse_mla.ENV_PACK] = "on" if pack else "off"
+            os.environ[sparse_mla.ENV_RED] = adds
             try:
                 sparse_mla._backward(q.detach(), kv.detach(), idx, out, lse, dout, scale, mode, key_chunk,
                                      sparse_mla.QUERY_BUDGET_BYTES, config, dkv_op)
             finally:
                 os.environ.pop(sparse_mla.ENV_PACK)
+                os.environ.pop(sparse_mla.ENV_RED)
         return probe
     fn = sparse_fn(impl, scale)
     if impl.endswith("-fwd"):

@@ -42,7 +42,7 @@ import statistics
 
 import torch
 
-from genolong.errors import GenolongError
+from genolong.errors import GenolongError, env_choice
 from genolong.kernels import _common
 from genolong.kernels.row_order import RowOrder
 from genolong.model.ops import KernelUnsupported
@@ -59,6 +59,14 @@ ENV_SORT = "GENOLONG_SPARSE_MLA_SORT"  # "always": sort every row for the key-ch
 # "off": v1's backward keeps q and dO apart (5 products a slot block) even where it could stack them
 # into one operand (3 products: sparse_mla_triton._sparse_mla_bwd_row_packed); "on" (default): stack.
 ENV_PACK = "GENOLONG_SPARSE_MLA_PACK"
+# "coalesced" (default): the backward's fp32 adds of dkv and dq's partial sums by tl.atomic_add, which
+# first moves each block through shared memory into a coalesced layout; "layout": added from the
+# products' own register layout, two columns an instruction (sparse_mla_triton._red_add_pairs; GPU only).
+ENV_RED = "GENOLONG_SPARSE_MLA_ADDS"
+# "off" (default): the timed launch configs are `candidates`' own; "candidates": v1's forward and
+# backward also time the split score products (`split_candidates`; nineteenth session, not yet
+# measured on a GPU), so a step can try them without pinning.
+ENV_SPLIT = "GENOLONG_SPARSE_MLA_SPLIT"
 DKV_MODES = ("atomic", "keychunk", "grouped")
 FWD_MODES = ("query", "keychunk", "grouped")
 DEFAULT_DKV_MODE = "keychunk"
@@ -118,8 +126,25 @@ def candidates(kind: str, heads: int, dim: int) -> list:
     else:
         # 4 warps: two programs per SM (236 registers), for the key-chunked pass's short programs.
         found = [Config(16, 16, 8, 5), Config(16, 16, 4, 5), Config(16, 32, 8, 5)] if hb == 16 else [Config(32, 16, 8, 5)]
+    if kind in ("fwd", "bwd", "bwd_keychunk") and _split_setting() == "candidates":
+        found += split_candidates("bwd" if kind.startswith("bwd") else kind, heads)
     found = list(dict.fromkeys(found))
     return found[:1] if dim < 512 else found
+
+
+def split_candidates(kind: str, heads: int) -> list:
+    """v1's launch configs with the score products split over the latent columns (Config.split_k),
+    timed beside `candidates` under GENOLONG_SPARSE_MLA_SPLIT=candidates. From the sm_90 builds
+    (benchmarks/sass_census.py, no spills with either kind of adds): 16-row blocks up to 16 heads,
+    32 beyond; the 16-head (unpacked) backward needs 8 warps to stay within the registers."""
+    from genolong.kernels.sparse_mla_triton import Config, head_block
+
+    if head_block(heads) > 16:
+        return [Config(32, 16, 8, 5, split_k=8)]
+    if kind == "fwd":
+        return [Config(16, 32, 8, 5, split_k=8), Config(16, 32, 4, 5, split_k=4)]
+    four_warps = [Config(16, 16, 4, 5, split_k=4)] if 2 * heads <= 16 else []
+    return [*four_warps, Config(16, 16, 8, 5, split_k=8)]
 
 
 def _grouped_candidates(kind: str, heads: int) -> list:
@@ -144,7 +169,16 @@ _CHOSEN: dict[tuple, object] = {}
 
 def chosen_configs() -> dict[str, str]:
     """{"kernel heads=H D=.. dtype": config label} for every configuration picked so far."""
-    return {f"{k[0]} heads={k[1]} D={k[2]} W={k[3]} {k[4]}": c.label() for k, c in _CHOSEN.items()}
+    return {f"{k[0]} heads={k[1]} D={k[2]} W={k[3]} {k[4]}" + (f" {k[5]}" if k[5] else ""): c.label() for k, c in _CHOSEN.items()}
+
+
+def _settings_tag() -> str:
+    """The environment settings that change the candidates or the kernels timed, where not the
+    defaults: a choice made under one is not reused under another (a benchmark's arms switch them
+    within one process)."""
+    changed = {ENV_SPLIT: _split_setting(), ENV_RED: _adds_setting(), ENV_PACK: _pack_setting()}
+    defaults = {ENV_SPLIT: "off", ENV_RED: "coalesced", ENV_PACK: "on"}
+    return " ".join(f"{name}={value}" for name, value in changed.items() if value != defaults[name])
 
 
 def _time_ms(run, reps: int = 3) -> float:
@@ -167,7 +201,7 @@ def pick(kind: str, q: torch.Tensor, width: int, trial) -> tuple[object, bool]:
     from triton.runtime.errors import OutOfResources, PTXASError
 
     heads, dim = q.shape[-2], q.shape[-1]
-    key = (kind, heads, dim, width, str(q.dtype).removeprefix("torch."))
+    key = (kind, heads, dim, width, str(q.dtype).removeprefix("torch."), _settings_tag())
     if key in _CHOSEN:
         return _CHOSEN[key], False
     options = candidates(kind, heads, dim)
@@ -384,11 +418,15 @@ def _backward(q, kv, idx, out, lse, dout, scale, mode, key_chunk, budget_bytes, 
         return dq.view(q.shape), dkv.to(kv.dtype).view(kv.shape)
     one_pass = mode == "atomic" or n_chunks == 1
     pack = None if _pack_setting() == "on" else False
+    red = _adds_setting() == "layout"
+    if red and q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
+        raise GenolongError(f"{ENV_RED}=layout needs an sm_90 GPU (its vector adds); this one is "
+                            f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}: unset it")
 
     def launch(r0, r1, config, dq_dst, bounds=None, sorted_idx=None):
         src = flat_idx[r0:r1] if sorted_idx is None else sorted_idx
         k.backward(rows[r0:r1], kv_rows, src, drows[r0:r1], flat_lse[r0:r1], dlt[r0:r1], dq_dst, dkv,
-                   row0=r0, config=config, bounds=bounds, dkv_op=dkv_op, pack=pack, **kw)
+                   row0=r0, config=config, bounds=bounds, dkv_op=dkv_op, pack=pack, red=red, **kw)
 
     if one_pass:
         if config is None:
@@ -506,6 +544,15 @@ def _pack_setting() -> str:
     return value
 
 
+def _split_setting() -> str:
+    return env_choice(ENV_SPLIT, "off", {"off": "the default launch configs", "candidates": "also time the split score products"})
+
+
+def _adds_setting() -> str:
+    return env_choice(ENV_RED, "coalesced", {"coalesced": "tl.atomic_add after a move through shared memory",
+                                             "layout": "the backward's fp32 adds from the products' own layout, on the GPU"})
+
+
 def _order_setting() -> str:
     value = os.environ.get(ENV_ORDER, "async")
     if value not in ("async", "sync"):
@@ -567,7 +614,9 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     Environment: GENOLONG_SPARSE_MLA=off declines (the next implementation, megatron-core's
     TileLang kernel, runs instead); GENOLONG_SPARSE_MLA_DKV picks the dkv mode,
     GENOLONG_SPARSE_MLA_FWD the forward's, GENOLONG_SPARSE_MLA_KEY_CHUNK the keys per chunk,
-    GENOLONG_SPARSE_MLA_PACK=off keeps q and dO apart in the backward."""
+    GENOLONG_SPARSE_MLA_PACK=off keeps q and dO apart in the backward; opt-in, not yet measured on
+    a GPU: GENOLONG_SPARSE_MLA_SPLIT=candidates also times the split score products,
+    GENOLONG_SPARSE_MLA_ADDS=layout adds the backward's fp32 sums in the products' layout (sm_90)."""
     if os.environ.get(ENV_SWITCH, "on") == "off":
         raise KernelUnsupported(f"disabled by {ENV_SWITCH}=off")
     _common.require_cuda(q, kv, indices)

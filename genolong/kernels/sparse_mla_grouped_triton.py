@@ -149,9 +149,18 @@ def _log2(n: int) -> int:
     return n.bit_length() - 1
 
 
+def _check_unsplit(config: Config) -> None:
+    """The grouped kernels have no split products (Config.split_k): a split config pinned for v1
+    must not run here under its label."""
+    if config.split_k > 1:
+        raise ValueError(f"{config.label()}: the grouped and key-chunked passes have no split products; "
+                         "use split_k 1, or fwd_mode 'query' with dkv_mode 'keychunk' or 'atomic'")
+
+
 def forward_chunk(q, kv, packed, bounds, acc, m, l, *, chunk: int, groups: tuple[int, int], scale: float,
                   config: Config) -> None:
     """Fold key chunk `chunk` into the online-softmax state (acc [R,H,D], m, l [R,H] fp32) of the groups [g0, g1)."""
+    _check_unsplit(config)
     rows, heads, dim = q.shape
     n_hb = triton.cdiv(heads, config.head_block)
     g0, g1 = groups
@@ -170,6 +179,7 @@ def backward_chunk(q, kv, packed, bounds, dout, lse, dlt, dq, dkv, *, chunk: int
 
     add_dkv=False skips the dkv products and adds (wrong gradients: for the benchmark's probe of
     what the adds cost)."""
+    _check_unsplit(config)
     rows, heads, dim = q.shape
     n_hb = triton.cdiv(heads, config.head_block)
     g0, g1 = groups

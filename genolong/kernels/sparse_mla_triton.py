@@ -56,10 +56,14 @@ class Config:
     # Backward only: the slots as the products' rows (_sparse_mla_bwd_row_slots). Measured slower
     # than the head-major pass (H200, 2026-12-02): a probe configuration, never a candidate.
     slot_major: bool = False
+    # The score products (q K^T, dO K^T) split over the latent dimension: `split_k` slices of D,
+    # one per warp (the batch of a 3-D product), summed after (`_dot_kt`). 1: one product.
+    split_k: int = 1
 
     def label(self) -> str:
         group = f"/QG{self.query_group}" if self.query_group > 1 else ""
-        return f"HB{self.head_block}{group}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}" + ("/T" if self.slot_major else "")
+        split = f"/K{self.split_k}" if self.split_k > 1 else ""
+        return f"HB{self.head_block}{group}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}{split}" + ("/T" if self.slot_major else "")
 
 
 def head_block(heads: int, limit: int = 64) -> int:
@@ -83,12 +87,81 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@triton.jit
+def _split_cols(x, SPLIT: tl.constexpr):
+    """[R, D] -> [SPLIT, R, D // SPLIT] (the D columns' slices as a batch), the A operand of `_dot_kt`;
+    x itself when SPLIT is 1."""
+    if SPLIT == 1:
+        out = x
+    else:
+        out = tl.permute(tl.reshape(x, [x.shape[0], SPLIT, x.shape[1] // SPLIT]), [1, 0, 2])
+    return out
+
+
+@triton.jit
+def _dot_kt(a, k, SPLIT: tl.constexpr, PREC: tl.constexpr):
+    """a K^T for the gathered keys k [BN, D], fp32 [R, BN]; a as `_split_cols` gives it.
+
+    With SPLIT 1, one product: the warps split the BN columns of a [16, BN] result, so each runs the
+    whole K = 512 reduction as one dependent mma chain and reads all of a (16 KiB at 16 x 512) from
+    shared memory every slot block (8 warps over BN = 32 read it 8 times, twice over for the n8
+    tiles). With SPLIT > 1, a batched product over D's slices puts one slice per warp (the batch is
+    the warps' dimension): a chain of 512 / SPLIT, each warp reading only its slice of a and of k;
+    the partial sums are added across warps after (through shared memory: SPLIT x R x BN fp32)."""
+    if SPLIT == 1:
+        out = tl.dot(a, tl.trans(k), input_precision=PREC)
+    else:
+        k3 = tl.permute(tl.reshape(k, [k.shape[0], SPLIT, k.shape[1] // SPLIT]), [1, 2, 0])
+        out = tl.sum(tl.dot(a, k3, input_precision=PREC), 0)
+    return out
+
+
+@triton.jit
+def _red_add_pairs(ptrs, values, mask):
+    """dst += values (fp32) by one `red.global.add.v2.f32` per two neighbouring elements a thread
+    holds, in whatever layout the values have: a tensor-core product's accumulator holds columns 2t
+    and 2t + 1 of a row, so its [16, 512] dkv block is added where it was computed. tl.atomic_add
+    first moves the block into a coalesced layout through shared memory (32 KiB written and read
+    per slot block of 16). A pair whose second address is not the first's + 4 bytes (another
+    layout) is added element by element, so the result never depends on the layout. A neighbouring
+    pair is 8-byte aligned, as the vector add needs, without a check in the loop (it would cost
+    ~25% more instructions there): a thread's consecutive columns in any Triton layout come in runs
+    of 2^k starting at a multiple of 2^k, the row offsets are multiples of an even D, and
+    `backward` takes this path only for 8-byte aligned dq and dkv buffers and even D. Unlike
+    tl.atomic_add, nothing here masks elements a layout replicates over several threads (each copy
+    would be added): the products' accumulators it is given (#mma, warps over the columns) hold
+    each element once, as the sm_90 builds show. GPU (sm_90) only: the interpreter has no PTX (the
+    callers take tl.atomic_add there)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred first, second, adjacent, both, single;
+        .reg .b64 next;
+        setp.ne.b32 first, $6, 0;
+        setp.ne.b32 second, $7, 0;
+        add.s64 next, $2, 4;
+        setp.eq.s64 adjacent, next, $3;
+        and.pred both, first, second;
+        and.pred both, both, adjacent;
+        @both red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};
+        not.pred single, both;
+        and.pred first, first, single;
+        and.pred second, second, single;
+        @first red.relaxed.gpu.global.add.f32 [$2], $4;
+        @second red.relaxed.gpu.global.add.f32 [$3], $5;
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        }""",
+        constraints="=r,=r,l,l,f,f,r,r",
+        args=[ptrs.to(tl.int64), values, mask.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=2)
+
+
 # Lengths, row offsets and the head count are not specialised (by divisibility), so one build
 # serves every length and chunk of a run, and 4, 8 and 16 heads.
 @triton.jit(do_not_specialize=["row0", "seq_q", "seq_kv", "width", "H"])
 def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q, seq_kv, width, scale_log2, H,
                 HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                N_HB: tl.constexpr, PREC: tl.constexpr):
+                N_HB: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     # Head blocks of one query are neighbouring programs, so the second one finds the keys in L2.
     pid = tl.program_id(0)
     row = (pid // N_HB).to(tl.int64)
@@ -96,7 +169,7 @@ def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q
     live = heads < H
     d = tl.arange(0, D)
     kv_rows = kv_ptr + ((row0 + row) // seq_q) * seq_kv * D
-    q = tl.load(q_ptr + (row * H + heads[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
+    q = _split_cols(tl.load(q_ptr + (row * H + heads[:, None]) * D + d[None, :], mask=live[:, None], other=0.0), SPLIT)
     m = tl.full([HB], float("-inf"), tl.float32)
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, D], tl.float32)
@@ -105,7 +178,7 @@ def _sparse_mla_fwd_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, row0, seq_q
         j = tl.load(idx_ptr + row * width + slot, mask=slot < width, other=-1)
         valid = (j >= 0) & (j < seq_kv)
         k = tl.load(kv_rows + j.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        s = _dot_kt(q, k, SPLIT, PREC) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A head with no valid slot yet keeps m = -inf; shifting by 0 keeps exp2 away from NaN.
@@ -137,19 +210,26 @@ def _sparse_mla_delta_kernel(o_ptr, do_ptr, delta_ptr, H, HP: tl.constexpr, D: t
 
 
 @triton.jit
-def _write_dkv(dst, dkv, valid, DKV_OP: tl.constexpr):
-    """One slot block's dkv rows: added (DKV_OP 1), or stored (2: the benchmark's probe, wrong dkv)."""
+def _write_dkv(dst, dkv, valid, DKV_OP: tl.constexpr, RED: tl.constexpr):
+    """One slot block's dkv rows: added (DKV_OP 1; with RED in the product's own layout,
+    `_red_add_pairs`), or stored (2: the benchmark's probe, wrong dkv)."""
     if DKV_OP == 1:
-        tl.atomic_add(dst, dkv, mask=valid[:, None], sem="relaxed")
+        if RED:
+            _red_add_pairs(dst, dkv, tl.broadcast_to(valid[:, None], dkv.shape))
+        else:
+            tl.atomic_add(dst, dkv, mask=valid[:, None], sem="relaxed")
     else:
         tl.store(dst, dkv, mask=valid[:, None])
 
 
 @triton.jit
-def _write_dq(dst, dq, mask, DQ_ATOMIC: tl.constexpr):
+def _write_dq(dst, dq, mask, DQ_ATOMIC: tl.constexpr, RED: tl.constexpr):
     """A row's dq: added into the fp32 partial-sum buffer (key chunks) or stored in q's dtype."""
     if DQ_ATOMIC:
-        tl.atomic_add(dst, dq, mask=mask, sem="relaxed")
+        if RED:
+            _red_add_pairs(dst, dq, tl.broadcast_to(mask, dq.shape))
+        else:
+            tl.atomic_add(dst, dq, mask=mask, sem="relaxed")
     else:
         tl.store(dst, dq.to(dst.dtype.element_ty), mask=mask)
 
@@ -158,7 +238,7 @@ def _write_dq(dst, dq, mask, DQ_ATOMIC: tl.constexpr):
 def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
              row0, seq_q, seq_kv, width, scale, scale_log2, H,
              HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr,
-             DKV_OP: tl.constexpr):
+             DKV_OP: tl.constexpr, SPLIT: tl.constexpr, RED: tl.constexpr):
     """Slots [lo, hi) of one row, one head block: dq (stored, or added when DQ_ATOMIC) and dkv (added;
     DKV_OP 0 / 2 skip it / store it instead: the benchmark's probes of the adds' cost, wrong dkv)."""
     heads = hb * HB + tl.arange(0, HB)
@@ -170,6 +250,7 @@ def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
     offs = (row * H + heads[:, None]) * D + d[None, :]
     q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0)
     do = tl.load(do_ptr + offs, mask=live[:, None], other=0.0)
+    q_cols, do_cols = _split_cols(q, SPLIT), _split_cols(do, SPLIT)
     lse = tl.load(lse_ptr + row * H + heads, mask=live, other=0.0) * _LOG2E
     delta = tl.load(delta_ptr + row * H + heads, mask=live, other=0.0)
     dq = tl.zeros([HB, D], tl.float32)
@@ -178,34 +259,34 @@ def _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         j = tl.load(idx_ptr + row * width + slot, mask=slot < hi, other=-1)
         valid = (j >= 0) & (j < seq_kv)
         k = tl.load(kv_rows + j.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        s = _dot_kt(q_cols, k, SPLIT, PREC)
         # Only (live head, valid slot) pairs get a probability; an empty row's lse is -inf,
         # but all its slots are invalid, so the where never lets exp2(+inf) through.
         p = tl.where(live[:, None] & valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(k), input_precision=PREC)
+        dp = _dot_kt(do_cols, k, SPLIT, PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         if DKV_OP != 0:
             # The whole head block's contribution to each selected key, summed before the atomic.
             dkv = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, input_precision=PREC)
             dkv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)
-            _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, valid, DKV_OP)
-    _write_dq(dq_ptr + offs, dq * scale, live[:, None], DQ_ATOMIC)
+            _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, valid, DKV_OP, RED)
+    _write_dq(dq_ptr + offs, dq * scale, live[:, None], DQ_ATOMIC, RED)
 
 
 @triton.jit
 def _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi,
              row0, seq_q, seq_kv, width, scale, scale_log2, H,
              HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, DQ_ATOMIC: tl.constexpr, PREC: tl.constexpr,
-             DKV_OP: tl.constexpr):
+             DKV_OP: tl.constexpr, SPLIT: tl.constexpr, RED: tl.constexpr):
     """`_sparse_mla_bwd_row` for 2H <= HB heads (one head block): 3 of the 5 products per slot block.
 
     The head block has HB rows (16, the tensor-core product's least) but only H of them are heads
-    (4 at glm53-mini), so q and dO share one operand: qd = [q; dO] (rows [0, H) and [H, 2H)).
-    x = qd K^T gives q.k and dO.k in one product; dO.k is moved to the rows of its heads by a
-    16 x 16 product with a shift matrix (fp32 x as a bf16 high part plus a bf16 remainder, ~16
-    mantissa bits; exact in fp32). dkv = dS^T q + P^T dO becomes [dS; P]^T qd, one product (the
-    two stacks are disjoint rows: exact). dq = dS K is unchanged."""
+    (4 at glm53-mini), so q and dO share one operand: qd = [q; dO] (rows [0, H) and [H, 2H)), loaded
+    as one tile. x = qd K^T gives q.k and dO.k in one product; dO.k is moved to the rows of its
+    heads by a 16 x 16 product with a shift matrix (fp32 x as a bf16 high part plus a bf16
+    remainder, ~16 mantissa bits; exact in fp32). dkv = dS^T q + P^T dO becomes [dS; P]^T qd, one
+    product (the two stacks are disjoint rows: exact). dq = dS K is unchanged."""
     heads = tl.arange(0, HB)
     live = heads < H
     d = tl.arange(0, D)
@@ -213,12 +294,21 @@ def _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_pt
     kv_rows = kv_ptr + batch * seq_kv * D
     dkv_rows = dkv_ptr + batch * seq_kv * D
     offs = (row * H + heads[:, None]) * D + d[None, :]
-    q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0)
-    do = tl.load(do_ptr + offs, mask=live[:, None], other=0.0)
     # up moves row j to row j + H, down row j + H to row j: one 1 per row, exact in any dtype.
-    up = (heads[:, None] == heads[None, :] + H).to(q.dtype)
-    down = (heads[None, :] == heads[:, None] + H).to(q.dtype)
-    qd = (q.to(tl.float32) + tl.dot(up, do, input_precision=PREC)).to(q.dtype)
+    up = (heads[:, None] == heads[None, :] + H).to(q_ptr.dtype.element_ty)
+    down = (heads[None, :] == heads[:, None] + H).to(q_ptr.dtype.element_ty)
+    if SPLIT == 1 and not RED:
+        q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0)
+        do = tl.load(do_ptr + offs, mask=live[:, None], other=0.0)
+        qd = (q.to(tl.float32) + tl.dot(up, do, input_precision=PREC)).to(q.dtype)
+    else:
+        # Rows [0, H) from q, [H, 2H) from dO as one loaded tile, which stays in shared memory for
+        # both of its operand roles (the computed qd above is moved between layouts every slot
+        # block). Only with the opt-in split products or layout adds so far (with the layout adds the
+        # computed qd spills at 16x16x4x5): not yet timed against the form above on its own.
+        qd_rows = tl.where(live, q_ptr + (row * H + heads) * D, do_ptr + (row * H + heads - H) * D)
+        qd = tl.load(qd_rows[:, None] + d[None, :], mask=(heads < 2 * H)[:, None], other=0.0)
+    qd_cols = _split_cols(qd, SPLIT)
     lse = tl.load(lse_ptr + row * H + heads, mask=live, other=0.0) * _LOG2E
     delta = tl.load(delta_ptr + row * H + heads, mask=live, other=0.0)
     dq = tl.zeros([HB, D], tl.float32)
@@ -227,7 +317,7 @@ def _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_pt
         j = tl.load(idx_ptr + row * width + slot, mask=slot < hi, other=-1)
         valid = (j >= 0) & (j < seq_kv)
         k = tl.load(kv_rows + j.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        x = tl.dot(qd, tl.trans(k), input_precision=PREC)  # rows [0, H): q.k; [H, 2H): dO.k
+        x = _dot_kt(qd_cols, k, SPLIT, PREC)  # rows [0, H): q.k; [H, 2H): dO.k
         if PREC == "ieee":
             dp = tl.dot(down, x, input_precision=PREC)
         else:
@@ -240,8 +330,8 @@ def _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_pt
         if DKV_OP != 0:
             stacked = (ds * scale + tl.dot(up, p.to(k.dtype), input_precision=PREC)).to(k.dtype)  # [dS * scale; P]
             dkv = tl.dot(tl.trans(stacked), qd, input_precision=PREC)
-            _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, valid, DKV_OP)
-    _write_dq(dq_ptr + offs, dq * scale, live[:, None], DQ_ATOMIC)
+            _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + d[None, :], dkv, valid, DKV_OP, RED)
+    _write_dq(dq_ptr + offs, dq * scale, live[:, None], DQ_ATOMIC, RED)
 
 
 @triton.jit
@@ -291,8 +381,8 @@ def _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr
                 do_c = tl.load(do_ptr + offs_c, mask=live[:, None], other=0.0)
                 dkv = tl.dot(ds_scaled, q_c, input_precision=PREC)
                 dkv += tl.dot(p_low, do_c, input_precision=PREC)
-                _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + dc[None, :], dkv, valid, DKV_OP)
-    _write_dq(dq_ptr + offs_t, dq_t * scale, live[None, :], DQ_ATOMIC)
+                _write_dkv(dkv_rows + j.to(tl.int64)[:, None] * D + dc[None, :], dkv, valid, DKV_OP, False)
+    _write_dq(dq_ptr + offs_t, dq_t * scale, live[None, :], DQ_ATOMIC, False)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "seq_q", "seq_kv", "width", "n_bounds", "H"])
@@ -300,7 +390,7 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
                 row0, n_rows, seq_q, seq_kv, width, n_bounds, scale, scale_log2, H,
                 HB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, N_HB: tl.constexpr,
                 RANGED: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr, DKV_OP: tl.constexpr,
-                SLOTS: tl.constexpr, DC: tl.constexpr, PACK: tl.constexpr):
+                SLOTS: tl.constexpr, DC: tl.constexpr, PACK: tl.constexpr, SPLIT: tl.constexpr, RED: tl.constexpr):
     # Per-row tensors (q, idx, dO, lse, Delta, dq) start at this launch's first row; row0 + row is
     # the row in the whole [B*T] sequence (for the batch of its keys).
     pid = tl.program_id(0)
@@ -328,19 +418,19 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
                                      row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, DC, True, PREC, DKV_OP)
                         elif PACK:
                             _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi,
-                                     row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP)
+                                     row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP, SPLIT, RED)
                         else:
                             _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, row, lo, hi, hb,
-                                     row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP)
+                                     row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, True, PREC, DKV_OP, SPLIT, RED)
     elif SLOTS:
         _sparse_mla_bwd_row_slots(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
                  pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, DC, False, PREC, DKV_OP)
     elif PACK:
         _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, pid.to(tl.int64), 0, width,
-                 row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC, DKV_OP)
+                 row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC, DKV_OP, SPLIT, RED)
     else:
         _sparse_mla_bwd_row(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, (pid // N_HB).to(tl.int64), 0, width,
-                 pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC, DKV_OP)
+                 pid % N_HB, row0, seq_q, seq_kv, width, scale, scale_log2, H, HB, D, BN, False, PREC, DKV_OP, SPLIT, RED)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -348,14 +438,32 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
 # lse/Delta [R, H] fp32, dkv [B*S, D] fp32.
 
 
+def check_split(config: Config, dim: int) -> None:
+    """A split product needs D in slices of at least one tensor-core step (16 columns); the
+    slot-major backward has no split form."""
+    if config.split_k > 1 and (dim % config.split_k or dim // config.split_k < 16):
+        raise ValueError(f"{config.label()} splits {dim} latent columns into {config.split_k} slices: each must be "
+                         "a whole number of at least 16 columns; use split_k 1 or a divisor of the width")
+    if config.split_k > 1 and config.slot_major:
+        raise ValueError(f"{config.label()}: the slot-major backward has no split products; use split_k 1 or drop slot_major")
+
+
+def red_available(*tensors: torch.Tensor) -> bool:
+    """Whether the adds in the products' layout (`_red_add_pairs`, inline PTX) can run on these
+    buffers: not in Triton's interpreter, which has no PTX (there the adds stay tl.atomic_add: the
+    same sums), and only on 8-byte aligned buffers (the vector adds' alignment)."""
+    return not triton.knobs.runtime.interpret and all(t.data_ptr() % 8 == 0 for t in tensors)
+
+
 def forward(q, kv, idx, out, lse, *, row0: int, seq_q: int, seq_kv: int, scale: float, config: Config) -> None:
     """out and lse of the rows of this launch (per-row tensors start at row `row0` of [B*T])."""
     rows, heads, dim = q.shape
     n_hb = triton.cdiv(heads, config.head_block)
+    check_split(config, dim)
     if rows == 0:
         return
     _sparse_mla_fwd_kernel[(rows * n_hb,)](q, kv, idx, out, lse, row0, seq_q, seq_kv, idx.shape[1], scale * LOG2E, heads,
-                                HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
+                                HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb, SPLIT=config.split_k,
                                 PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -366,17 +474,19 @@ def delta(out, dout, dst) -> None:
 
 
 def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_kv: int, scale: float,
-             config: Config, bounds=None, dkv_op: str = "add", pack: bool | None = None) -> None:
+             config: Config, bounds=None, dkv_op: str = "add", pack: bool | None = None, red: bool = False) -> None:
     """dq and dkv (fp32, added to) for the rows of this launch; dq is stored (q's dtype) in one pass,
     added to (an fp32 buffer) with key chunks. `dkv_op` "skip" / "store" are the benchmark's probes
     (wrong dkv).
 
     `bounds` [rows, C + 1] int32: row r's slots of key chunk c are [bounds[r, c], bounds[r, c+1])
     of its (sorted) idx row; None: every slot in one pass. `pack` (None: `packs`) stacks q and dO
-    into one operand where at most half the head block's rows are heads."""
+    into one operand where at most half the head block's rows are heads. `red` adds dkv and dq's
+    partial sums in the products' layout, two columns an instruction (where `red_available`)."""
     rows, heads, dim = q.shape
     if pack and not packs(heads, config):
         raise ValueError(f"{heads} heads fill more than half of {config.label()}'s head block: the backward cannot pack them")
+    check_split(config, dim)
     if rows == 0:
         return
     n_hb = triton.cdiv(heads, config.head_block)
@@ -389,15 +499,18 @@ def backward(q, kv, idx, dout, lse, dlt, dq, dkv, *, row0: int, seq_q: int, seq_
                          HB=config.head_block, D=dim, BN=config.block_n, N_HB=n_hb,
                          RANGED=bounds is not None, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS[dkv_op],
                          SLOTS=config.slot_major, DC=slot_columns(dim), PACK=packs(heads, config) if pack is None else pack,
+                         SPLIT=config.split_k, RED=red and dim % 2 == 0 and red_available(dq, dkv),
                          PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool = False, pack: bool | None = None, arch: int = 90):
+def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool = False, pack: bool | None = None,
+                red: bool = False, arch: int = 90):
     """Compile "fwd" or "bwd" for a GPU architecture without a GPU, specialised as the JIT
     specialises a launch (genolong/kernels/aot.py): the CPU build check."""
     from genolong.kernels import aot
 
-    meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=triton.cdiv(heads, config.head_block), PREC="tf32")
+    meta = dict(HB=config.head_block, D=dim, BN=config.block_n, N_HB=triton.cdiv(heads, config.head_block), PREC="tf32",
+                SPLIT=config.split_k)
     if kind == "fwd":
         fn = _sparse_mla_fwd_kernel
         args = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32", row0="i32",
@@ -405,7 +518,7 @@ def aot_compile(kind: str, heads: int, dim: int, config: Config, *, ranged: bool
     else:
         fn = _sparse_mla_bwd_kernel
         meta.update(RANGED=ranged, ROWS=RANGED_ROWS, DKV_OP=DKV_OPS["add"], SLOTS=config.slot_major, DC=slot_columns(dim),
-                    PACK=packs(heads, config) if pack is None else pack)
+                    PACK=packs(heads, config) if pack is None else pack, RED=red)
         args = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32",
                     dq_ptr="*fp32" if ranged else "*bf16", dkv_ptr="*fp32", bounds_ptr="*i32", row0="i32", n_rows="i32",
                     seq_q="i32", seq_kv="i32", width="i32", n_bounds="i32", scale="fp32", scale_log2="fp32", H="i32")

@@ -147,3 +147,37 @@ def test_slot_major_backward_matches_the_reference(heads, config):
     errors = {label: _rel(g, r) for label, g, r in zip(("dq", "dkv"), grads["slots"], grads["ref"])}
     print(f"slot-major heads={heads} {config}: {errors}")
     assert all(e <= 1e-2 for e in errors.values()), errors
+
+
+# (heads, forward config, backward config): the products split over the latent columns
+# (Config.split_k) at the few-head shapes the benchmark times, and one 64-head block.
+SPLIT_CASES = [(4, (16, 32, 8, 5, 8), (16, 16, 4, 5, 4)), (4, (16, 32, 4, 5, 4), (16, 16, 4, 5, 1)),
+               (16, (16, 32, 8, 5, 4), (16, 16, 8, 5, 4)), (64, (32, 16, 8, 5, 8), (32, 16, 8, 5, 8))]
+
+
+@pytest.mark.parametrize("adds", ["coalesced", "layout"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"{c[0]}h-" + "x".join(map(str, c[1])) + "-" + "x".join(map(str, c[2])))
+def test_split_products_and_layout_adds_match_the_reference(case, adds, monkeypatch):
+    # The split score products and the fp32 adds from the products' own layout (GENOLONG_SPARSE_MLA_ADDS),
+    # through the key-chunked backward (several chunks: the dq partial sums are added too).
+    from genolong.kernels.sparse_mla_triton import Config
+
+    heads, fwd, bwd = case
+    monkeypatch.setenv(sparse_mla.ENV_RED, adds)
+    seq = 4096
+    idx = _indexer_selection(seq)
+    q = torch.randn(1, seq, heads, 512, device=DEV).bfloat16()
+    kv = torch.randn(1, seq, 512, device=DEV).bfloat16()
+    dout = torch.randn(1, seq, heads, 512, device=DEV).bfloat16()
+    configs = {"fwd": Config(*fwd[:4], split_k=fwd[4]), "bwd": Config(*bwd[:4], split_k=bwd[4])}
+    results = {}
+    for label, dtype, fn in (("ref", torch.float32, lambda a, b: sparse_attention_reference(a, b, idx, scale=SCALE)),
+                             ("triton", torch.bfloat16, lambda a, b: sparse_mla.sparse_mla(
+                                 a, b, idx, scale=SCALE, key_chunk=1024, configs=configs))):
+        a, b = q.to(dtype).clone().requires_grad_(), kv.to(dtype).clone().requires_grad_()
+        out = fn(a, b)
+        out.backward(dout.to(dtype))
+        results[label] = (out, a.grad, b.grad)
+    errors = {name: _rel(got, ref) for name, got, ref in zip(("out", "dq", "dkv"), results["triton"], results["ref"])}
+    print(f"split {case} adds={adds}: {errors}")
+    assert all(e <= 1e-2 for e in errors.values()), errors

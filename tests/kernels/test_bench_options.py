@@ -47,14 +47,15 @@ def test_backward_probe_names_parse_to_mode_op_and_key_chunk():
     from genolong.kernels.sparse_mla_triton import Config
 
     default = Config(16, 16, 4, 5)
-    assert parse_probe("probe-keychunk-bwd") == ("keychunk", "add", KEY_CHUNK, default, True)
-    assert parse_probe("probe-atomic-bwd-nodkv") == ("atomic", "skip", KEY_CHUNK, default, True)
-    assert parse_probe("probe-keychunk-bwd-store-kc4096-nopack") == ("keychunk", "store", 4096, default, False)
-    assert parse_probe("probe-keychunk-bwd-cfg16x64x8x2t") == ("keychunk", "add", KEY_CHUNK, Config(16, 64, 8, 2, slot_major=True), True)
+    assert parse_probe("probe-keychunk-bwd") == ("keychunk", "add", KEY_CHUNK, default, True, "coalesced")
+    assert parse_probe("probe-atomic-bwd-nodkv") == ("atomic", "skip", KEY_CHUNK, default, True, "coalesced")
+    assert parse_probe("probe-keychunk-bwd-store-kc4096-nopack") == ("keychunk", "store", 4096, default, False, "coalesced")
+    assert parse_probe("probe-keychunk-bwd-cfg16x64x8x2t") == ("keychunk", "add", KEY_CHUNK, Config(16, 64, 8, 2, slot_major=True), True, "coalesced")
     assert parse_probe("probe-atomic-bwd-nodkv-cfg32x16x8x5")[3] == Config(32, 16, 8, 5)
-    assert all(is_impl(impl) for _, _, impl in PRESETS["bwd-probe"]["cells"])
+    assert parse_probe("probe-keychunk-bwd-layout-cfg16x16x4x5k4")[3:] == (Config(16, 16, 4, 5, split_k=4), True, "layout")
+    assert all(is_impl(impl) for preset in ("bwd-probe", "split-adds") for _, _, impl in PRESETS[preset]["cells"])
     for bad in ("probe-keychunk-fwd", "probe-keychunk-bwd-kc0", "probe-keychunk-bwd-fast", "probe-keychunk-bwd-cfg16x64x8",
-                "probe-keychunk-bwd-cfg16x0x8x2"):
+                "probe-keychunk-bwd-cfg16x0x8x2", "probe-keychunk-bwd-cfg16x16x4x5k0", "probe-keychunk-bwd-cfg16x16x4x5kx"):
         with pytest.raises(SystemExit, match=bad):
             parse_probe(bad)
 
@@ -77,6 +78,8 @@ def test_pinned_forward_config_cells_parse():
     from genolong.kernels.sparse_mla_triton import Config
 
     assert forward_config("triton-cfg16x32x8x9-fwd") == Config(16, 32, 8, 9) and is_impl("triton-cfg16x64x8x7-fwd")
-    for bad in ("triton-cfg16x32x8-fwd", "triton-cfg16x0x8x9-fwd", "triton-cfg16x32x8x9", "triton-fwd"):
+    assert forward_config("triton-cfg16x32x8x5k8-fwd") == Config(16, 32, 8, 5, split_k=8)
+    for bad in ("triton-cfg16x32x8-fwd", "triton-cfg16x0x8x9-fwd", "triton-cfg16x32x8x9", "triton-fwd", "triton-cfg16x32x8x5t-fwd",
+                "triton-cfg16x32x8x5k-fwd"):
         assert forward_config(bad) is None, bad
     assert not is_impl("triton-cfg16x32x8-fwd")

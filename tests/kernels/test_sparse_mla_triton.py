@@ -70,6 +70,20 @@ CASES = {
     "fp16 pools, GLM width 2051, 4 heads x 512, slot-major backward (4 dkv column blocks), key chunks of 8":
         dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8,
              configs={"bwd": [16, 64, 4, 2, 1, True]}),
+    # The score products split over the latent columns (Config.split_k: one slice per warp, a 3-D product
+    # summed over its batch), packed and unpacked backward, one pass and key chunks.
+    "fp32 random, 2 batches, atomic, split products (4 slices of 16 columns)":
+        dict(batch=2, seq=48, heads=4, dim=64, sel="random", width=37, dtype="float32", mode="atomic",
+             configs={"fwd": [16, 32, 4, 5, 1, False, 4], "bwd": [16, 16, 4, 5, 1, False, 4]}),
+    "fp16 pools, GLM width 2051, 4 heads x 512, split products (fwd 8 slices, bwd 4), key chunks of 8":
+        dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8,
+             configs={"fwd": [16, 32, 8, 5, 1, False, 8], "bwd": [16, 16, 4, 5, 1, False, 4]}),
+    "fp16 pools, 16 heads x 512 (unpacked backward), split products, key chunks of 32":
+        dict(batch=1, seq=96, heads=16, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="keychunk", key_chunk=32,
+             configs={"fwd": [16, 32, 4, 5, 1, False, 4], "bwd": [16, 16, 8, 5, 1, False, 8]}),
+    "fp32 80 heads, split products: head blocks 64+16 (fwd), 32+32+16 (bwd)":
+        dict(batch=1, seq=24, heads=80, dim=64, sel="random", width=11, dtype="float32", mode="atomic",
+             configs={"fwd": [64, 32, 8, 5, 1, False, 4], "bwd": [32, 16, 8, 5, 1, False, 2]}),
     # The key-chunked forward (fwd_mode "keychunk"): the rows as the key-chunked backward walks them,
     # one launch per key chunk (twice the backward's keys), the online-softmax state between launches.
     "fp32 key-chunked forward, random rows walked unsorted before their order is known, chunks of 16 keys, 3 query chunks":
@@ -323,6 +337,71 @@ def test_kernels_compile_for_sm90_without_spills(heads):
     assert all("atom.global.gpu.relaxed.add.v4.f32" in kernel.asm["ptx"] for name, kernel in builds.items() if name.startswith("bwd"))
 
 
+@needs_triton
+@pytest.mark.parametrize("heads", [4, 16, 64])  # 8 heads build the same kernels as 4 (one packed head block)
+def test_split_candidates_and_layout_adds_compile_for_sm90(heads):
+    # The split score products (GENOLONG_SPARSE_MLA_SPLIT=candidates) build for sm_90 as batched
+    # tensor-core products without spills, with either kind of adds; the layout adds
+    # (GENOLONG_SPARSE_MLA_ADDS=layout) become two-column red instructions and leave no
+    # tl.atomic_add behind, the coalesced ones keep the vectorised atomics. The default backward
+    # config with the layout adds too.
+    from genolong.kernels import aot
+    from genolong.kernels import sparse_mla_triton as k
+
+    builds = {f"fwd {c.label()}": k.aot_compile("fwd", heads, 512, c) for c in sparse_mla.split_candidates("fwd", heads)}
+    for config in [*sparse_mla.split_candidates("bwd", heads), sparse_mla.candidates("bwd", heads, 512)[0]]:
+        for red in (False, True):
+            builds[f"bwd {config.label()} {red}"] = k.aot_compile("bwd", heads, 512, config, ranged=True, red=red)
+    for name, kernel in builds.items():
+        ptx = kernel.asm["ptx"]
+        assert "mma.sync" in ptx and "cp.async" in ptx, name
+        assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, (name, kernel.metadata.shared)
+        regs, spills = aot.ptxas_usage(kernel)
+        assert spills == 0, (name, regs, spills)
+        if name.startswith("bwd"):
+            red = name.endswith("True")
+            assert ("red.relaxed.gpu.global.add.v2.f32" in ptx) == red, name
+            assert ("atom.global.gpu.relaxed.add.v4.f32" in ptx) == (not red), name
+
+
+def test_split_candidates_are_timed_only_when_asked(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv(sparse_mla.ENV_SPLIT, raising=False)
+    kinds = ("fwd", "bwd", "bwd_keychunk")  # bwd_keychunk: the key-chunked backward, the default dkv mode
+    default = {kind: sparse_mla.candidates(kind, 4, 512) for kind in kinds}
+    assert not any(c.split_k > 1 for found in default.values() for c in found)
+    monkeypatch.setenv(sparse_mla.ENV_SPLIT, "candidates")
+    for kind in kinds:
+        found = sparse_mla.candidates(kind, 4, 512)
+        assert found[: len(default[kind])] == default[kind] and any(c.split_k > 1 for c in found)
+    assert all(c.split_k == 1 for c in sparse_mla.candidates("fwd_grouped", 4, 512))
+    monkeypatch.setenv(sparse_mla.ENV_SPLIT, "yes")
+    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_SPLIT='yes' is not a setting"):
+        sparse_mla.candidates("fwd", 4, 512)
+
+
+@needs_triton
+def test_split_products_need_whole_slices_of_the_latent():
+    from genolong.kernels import sparse_mla_triton as k
+
+    from genolong.kernels import sparse_mla_grouped_triton as grouped
+
+    k.check_split(k.Config(16, 16, 4, 5, split_k=4), 512)
+    for split, dim in ((3, 512), (8, 64), (4, 48)):
+        with pytest.raises(ValueError, match="split_k 1 or a divisor"):
+            k.check_split(k.Config(16, 16, 4, 5, split_k=split), dim)
+    with pytest.raises(ValueError, match="slot-major backward has no split"):
+        k.check_split(k.Config(16, 64, 4, 1, slot_major=True, split_k=4), 512)
+    # The grouped and key-chunked passes would run a pinned split config unsplit under its label.
+    q = torch.zeros(1, 4, 512)
+    with pytest.raises(ValueError, match="grouped and key-chunked passes have no split"):
+        grouped.forward_chunk(q, None, None, None, None, None, None, chunk=0, groups=(0, 1), scale=1.0,
+                              config=k.Config(16, 32, 8, 5, split_k=8))
+    with pytest.raises(ValueError, match="grouped and key-chunked passes have no split"):
+        grouped.backward_chunk(q, None, None, None, None, None, None, None, None, chunk=0, groups=(0, 1), scale=1.0,
+                               config=k.Config(16, 16, 4, 5, split_k=4))
+
+
 _PROBES = INTERPRETER_PATCH + r"""
 import json
 import torch
@@ -462,3 +541,20 @@ def test_the_backward_packs_only_where_half_the_head_block_is_free():
         backward(q, None, None, None, None, None, None, None, row0=0, seq_q=16, seq_kv=16, scale=1.0,
                  config=Config(16, 16, 4, 5), pack=True)
 
+
+
+def test_a_choice_is_remembered_per_setting_of_the_kernels(monkeypatch):
+    # A benchmark's arms switch GENOLONG_SPARSE_MLA_SPLIT / _ADDS within one process: a launch config
+    # chosen under one setting must not be reused under another (the other's candidates differ).
+    pytest.importorskip("triton")
+    for name in (sparse_mla.ENV_SPLIT, sparse_mla.ENV_RED, sparse_mla.ENV_PACK):
+        monkeypatch.delenv(name, raising=False)
+    q = torch.zeros(2, 4, 512)
+    monkeypatch.setattr(sparse_mla, "_CHOSEN", {})
+    first, _ = sparse_mla.pick("fwd", q, 2051, trial=None)
+    monkeypatch.setenv(sparse_mla.ENV_SPLIT, "candidates")
+    monkeypatch.setenv(sparse_mla.ENV_RED, "layout")
+    second, _ = sparse_mla.pick("fwd", q, 2051, trial=None)
+    labels = sparse_mla.chosen_configs()
+    assert len(labels) == 2 and first == second  # on the CPU both are the first candidate, untimed
+    assert [name for name in labels if "GENOLONG_SPARSE_MLA_SPLIT=candidates GENOLONG_SPARSE_MLA_ADDS=layout" in name]
