@@ -67,6 +67,7 @@ ENV_RED = "GENOLONG_SPARSE_MLA_ADDS"
 # backward also time the split score products (`split_candidates`; nineteenth session, not yet
 # measured on a GPU), so a step can try them without pinning.
 ENV_SPLIT = "GENOLONG_SPARSE_MLA_SPLIT"
+_DEFAULTS = {ENV_PACK: "on", ENV_RED: "coalesced", ENV_SPLIT: "off"}
 DKV_MODES = ("atomic", "keychunk", "grouped")
 FWD_MODES = ("query", "keychunk", "grouped")
 DEFAULT_DKV_MODE = "keychunk"
@@ -176,9 +177,8 @@ def _settings_tag() -> str:
     """The environment settings that change the candidates or the kernels timed, where not the
     defaults: a choice made under one is not reused under another (a benchmark's arms switch them
     within one process)."""
-    changed = {ENV_SPLIT: _split_setting(), ENV_RED: _adds_setting(), ENV_PACK: _pack_setting()}
-    defaults = {ENV_SPLIT: "off", ENV_RED: "coalesced", ENV_PACK: "on"}
-    return " ".join(f"{name}={value}" for name, value in changed.items() if value != defaults[name])
+    current = {ENV_SPLIT: _split_setting(), ENV_RED: _adds_setting(), ENV_PACK: _pack_setting()}
+    return " ".join(f"{name}={value}" for name, value in current.items() if value != _DEFAULTS[name])
 
 
 def _time_ms(run, reps: int = 3) -> float:
@@ -538,18 +538,18 @@ def sparse_mla(q, kv, indices, *, scale: float, return_lse: bool = False, dkv_mo
 
 
 def _pack_setting() -> str:
-    value = os.environ.get(ENV_PACK, "on")
+    value = os.environ.get(ENV_PACK, _DEFAULTS[ENV_PACK])
     if value not in ("on", "off"):
         raise GenolongError(f"{ENV_PACK}={value!r} is not a setting; set it to on (stack q and dO where the head block has room) or off, or unset it")
     return value
 
 
 def _split_setting() -> str:
-    return env_choice(ENV_SPLIT, "off", {"off": "the default launch configs", "candidates": "also time the split score products"})
+    return env_choice(ENV_SPLIT, _DEFAULTS[ENV_SPLIT], {"off": "the default launch configs", "candidates": "also time the split score products"})
 
 
 def _adds_setting() -> str:
-    return env_choice(ENV_RED, "coalesced", {"coalesced": "tl.atomic_add after a move through shared memory",
+    return env_choice(ENV_RED, _DEFAULTS[ENV_RED], {"coalesced": "tl.atomic_add after a move through shared memory",
                                              "layout": "the backward's fp32 adds from the products' own layout, on the GPU"})
 
 
