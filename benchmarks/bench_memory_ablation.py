@@ -169,7 +169,7 @@ class Bench:
         _sync()
         elapsed = time.perf_counter() - t0
         flops = step_flops(self.config, seq_len, recompute=self.opts.recompute, chunked_loss=self.opts.chunked_loss,
-                           moe_recompute=moe_chunks_checkpointed(seq_len, self.opts))
+                           moe_recompute=moe_chunks_checkpointed(seq_len, self.opts) and not self.opts.keeps_moe())
         stats = self.handle.stats
         return {
             "seq_len": seq_len,
@@ -186,7 +186,8 @@ class Bench:
             "pinned_after_step_gib": self.handle.pinned_bytes() / GIB,
             "offload_layers": len(self.handle.offload_layers()),
             "indexer_loss": indexer.get("indexer_loss"),
-            "keep_sparse": self.handle.keep.where if self.handle.keep is not None else "off",
+            "keep_sparse": self.handle.describe()["keep_sparse"],
+            "keep_moe": self.handle.describe()["keep_moe"],
             "kept_gib": self.handle.keep.stats.bytes_kept / GIB if self.handle.keep is not None else 0.0,
             "kept_replayed": self.handle.keep.stats.replayed if self.handle.keep is not None else 0,
         }

@@ -191,8 +191,9 @@ PRESETS = {
         ("64k", 64, "probe-keychunk-bwd-cfg32x16x8x5"), ("64k", 64, "probe-keychunk-bwd-layout-cfg32x16x8x5"),
         ("64k", 64, "probe-keychunk-bwd-layout-cfg32x16x8x5k8"), ("64k", 64, "triton-cfg64x32x8x5-fwd"),
         ("64k", 64, "triton-cfg32x16x8x5k8-fwd"),
-        ("128k", 16, "probe-keychunk-bwd"), ("128k", 16, "probe-keychunk-bwd-layout"),
-        ("128k", 16, "probe-keychunk-bwd-layout-cfg16x16x8x5k4"), ("128k", 4, "triton-keychunk")]),
+        # (at 16 heads the 8-warp build, which the default's trials pick among, beside the 8-slice split)
+        ("128k", 16, "probe-keychunk-bwd-cfg16x16x8x5"), ("128k", 16, "probe-keychunk-bwd-layout-cfg16x16x8x5"),
+        ("128k", 16, "probe-keychunk-bwd-layout-cfg16x16x8x5k8"), ("128k", 4, "triton-keychunk")]),
 }
 TILELANG_BUILD_S = 110  # a TileLang build of megatron's forward + backward for a new head count
 
@@ -309,14 +310,18 @@ def make_step(impl: str, seq: int, heads: int, idx: torch.Tensor, scale: float):
         config = None if mode == "grouped" else config
 
         def probe():
+            saved = {name: os.environ.get(name) for name in (sparse_mla.ENV_PACK, sparse_mla.ENV_RED)}
             os.environ[sparse_mla.ENV_PACK] = "on" if pack else "off"
             os.environ[sparse_mla.ENV_RED] = adds
             try:
                 sparse_mla._backward(q.detach(), kv.detach(), idx, out, lse, dout, scale, mode, key_chunk,
                                      sparse_mla.QUERY_BUDGET_BYTES, config, dkv_op)
-            finally:
-                os.environ.pop(sparse_mla.ENV_PACK)
-                os.environ.pop(sparse_mla.ENV_RED)
+            finally:  # the caller's own settings back, for the cells after the probes
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
         return probe
     fn = sparse_fn(impl, scale)
     if impl.endswith("-fwd"):

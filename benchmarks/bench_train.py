@@ -38,6 +38,16 @@ from genolong.train.options import MemoryOptions  # noqa: E402
 from genolong.units import format_length, parse_length  # noqa: E402
 
 
+def parse_keep_moe(text: str) -> list[bool]:
+    """--keep-moe "off,on" -> [False, True]."""
+    values = {"off": False, "on": True}
+    arms = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in arms if x not in values]
+    if bad or not arms:
+        raise SystemExit(f"--keep-moe: {(bad or [text])[0]!r} is not off or on (a comma list of them, e.g. off,on)")
+    return [values[x] for x in arms]
+
+
 def parse_env_arms(text: str) -> list[dict[str, str]]:
     """'A=1,B=2;A=3' -> [{'A': '1', 'B': '2'}, {'A': '3'}]; '' -> [{}] (one arm, the environment as it is)."""
     arms = []
@@ -84,6 +94,9 @@ def main(argv=None) -> int:
                    help="with --compile: leave mHC to its fused kernels, compile the norms, router and dense MLP only")
     p.add_argument("--keep-sparse", default="auto",
                    help="comma list of MemoryOptions.keep_sparse values; each length runs once per value, side by side")
+    p.add_argument("--keep-moe", default="off",
+                   help="comma list of off / on (MemoryOptions.keep_moe: the MoE outputs kept for the recompute); "
+                        "each length runs once per value, after each keep-sparse value")
     p.add_argument("--env-arms", default="",
                    help="arms of environment settings, e.g. 'GENOLONG_MOE_SWIGLU=eager;GENOLONG_MOE_SWIGLU=triton': "
                         "each length runs once per arm (after each keep-sparse value), one after the other on one model")
@@ -134,12 +147,13 @@ def main(argv=None) -> int:
     # 1. throughput and memory on real DNA, beside the plan
     arms = parse_env_arms(args.env_arms)
     base_env = dict(os.environ)
-    for n, keep, arm in [(parse_length(x), k, a) for x in args.lengths.split(",") for k in keeps for a in arms]:
+    keep_moe = parse_keep_moe(args.keep_moe)
+    for n, keep, moe, arm in [(parse_length(x), k, m, a) for x in args.lengths.split(",") for k in keeps for m in keep_moe for a in arms]:
         if left() < 30:
-            results["not_run"].append(f"train {format_length(n)} keep_sparse={keep} {arm}: time budget")
+            results["not_run"].append(f"train {format_length(n)} keep_sparse={keep} keep_moe={moe} {arm}: time budget")
             continue
         use_env_arm(arm, arms, base_env)
-        opts = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keep)
+        opts = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keep, keep_moe=moe)
         bench.use(opts)
         k = 0
         while k < args.steps:
@@ -159,12 +173,12 @@ def main(argv=None) -> int:
                     break
                 # The plan's offload count was too small: measured, not hidden. Retry with 12 more layers.
                 planned = bench.plan(n)["plan_offload_layers"]
-                opts = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keep,
+                opts = MemoryOptions(host_budget_gib=args.host_budget_gib, keep_sparse=keep, keep_moe=moe,
                                      offload_layers=min(bench.config.num_layers, planned + 12))
                 bench.use(opts)
                 continue
             row.update(bench.plan(n, offload_layers=row["offload_layers"]))
-            row.update(phase="train", step=k + 1, ok=True, **({"env": arm} if arm else {}))
+            row.update(phase="train", step=k + 1, ok=True, keep_moe=moe, **({"env": arm} if arm else {}))
             if k == 0:
                 row["kernels"] = ops.audit_summary()
                 row["memory"] = bench.handle.describe()

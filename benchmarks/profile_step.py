@@ -69,6 +69,7 @@ def main() -> None:
                     help="the compile pass (norms, router, dense MLP; mHC stays fused), as finetune's default: on with a GPU")
     ap.add_argument("--sync-census", action="store_true",
                     help="one more step with torch's sync debug mode: every host sync by call site (sync_census.json)")
+    ap.add_argument("--keep-moe", action="store_true", help="keep the MoE outputs for the recompute (MemoryOptions.keep_moe)")
     ap.add_argument("--out", type=Path, default=Path("runs/profile"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -78,7 +79,7 @@ def main() -> None:
     compiled = compile_pass_on(args.compile, torch.cuda.is_available(), bench.policy)
     if compiled:
         apply_compile(bench.model, mhc=False)
-    opts = MemoryOptions(host_budget_gib=0.75 * HOST_RAM_GIB, recompute=not args.no_recompute,
+    opts = MemoryOptions(host_budget_gib=0.75 * HOST_RAM_GIB, recompute=not args.no_recompute, keep_moe=args.keep_moe,
                          **({"offload": False} if args.no_recompute else {}))
     bench.use(opts)
     for k in range(args.warmup):

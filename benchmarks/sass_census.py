@@ -109,10 +109,10 @@ def main() -> None:
     ap.add_argument("--adds", default="coalesced,layout", help="the backward's fp32 adds: coalesced (tl.atomic_add), layout (in the products' layout)")
     ap.add_argument("--one-pass", action="store_true", help="the backward's one-pass (atomic) form instead of the key-chunked one")
     args = ap.parse_args()
-    defaults = {("fwd", 4): "16x32x8x5,16x32x8x5k8,16x32x4x5k4,16x32x8x5k4,16x16x4x5k4",
-                ("bwd", 4): "16x16x4x5,16x16x4x5k4,16x16x8x5k8,16x16x8x5k4,16x32x8x5k8",
+    defaults = {("fwd", 4): "16x32x8x5,16x32x8x5k8,16x32x4x5k4,16x16x4x5k4",
+                ("bwd", 4): "16x16x4x5,16x16x4x5k4,16x16x8x5k8,16x32x8x5k8",
                 ("fwd", 64): "64x32x8x5,32x32x8x5,32x32x8x5k8",
-                ("bwd", 64): "32x16x8x5,32x16x8x5k8,32x16x8x5k4"}
+                ("bwd", 64): "32x16x8x5,32x16x8x5k8"}
     print(f"{'kernel':<6} {'heads':>5} {'config':<22} {'adds':<9} {'hmma':>5} {'smem rd KiB':>11} {'smem wr KiB':>11} "
           f"{'red KiB':>7} {'scalar':>6} {'bar':>4} {'instr':>6} {'regs':>5} {'smem KiB':>8}")
     for kind in args.kernel or ("fwd", "bwd"):

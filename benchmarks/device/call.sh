@@ -23,6 +23,8 @@ for stage in "$@"; do
     kdatest) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_kernels.py -k kda" ;;
     gputests) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider -m gpu tests/gpu tests/train/test_memory.py" ;;
     profile128k) cmd="python3 benchmarks/profile_step.py --data /tmp/bundled --seq 128k --warmup 2 --out $OUT/profile128k ${PROFILE_ARGS:-}" ;;
+    # 512k (an H200: ~104 GiB): one warm-up step (compilation, autotuning; ~135 s), then the profiled one (~27 s).
+    profile512k) cmd="python3 benchmarks/profile_step.py --data /tmp/bundled --seq 512k --warmup 1 --out $OUT/profile512k ${PROFILE_ARGS:-}" ;;
     kernels512k) cmd="python3 benchmarks/bench_kernels.py --sizes 512k --indexer-extra '' --skip-parity --no-indexer ${KERNELS_ARGS:-} --out $OUT/kernels" ;;
     ablation) cmd="python3 benchmarks/bench_memory_ablation.py --data /tmp/bundled ${ABLATION_ARGS:-} --out $OUT/ablation.jsonl" ;;
     train) cmd="python3 benchmarks/bench_train.py --data /tmp/bundled ${TRAIN_ARGS:-} --out $OUT/train.json" ;;

@@ -57,7 +57,7 @@ class Config:
     # than the head-major pass (H200, 2026-12-02): a probe configuration, never a candidate.
     slot_major: bool = False
     # The score products (q K^T, dO K^T) split over the latent dimension: `split_k` slices of D,
-    # one per warp (the batch of a 3-D product), summed after (`_dot_kt`). 1: one product.
+    # at least one per warp (the batch of a 3-D product), summed after (`_dot_kt`). 1: one product.
     split_k: int = 1
 
     def label(self) -> str:
@@ -294,14 +294,17 @@ def _sparse_mla_bwd_row_packed(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_pt
     kv_rows = kv_ptr + batch * seq_kv * D
     dkv_rows = dkv_ptr + batch * seq_kv * D
     offs = (row * H + heads[:, None]) * D + d[None, :]
-    # up moves row j to row j + H, down row j + H to row j: one 1 per row, exact in any dtype.
-    up = (heads[:, None] == heads[None, :] + H).to(q_ptr.dtype.element_ty)
-    down = (heads[None, :] == heads[:, None] + H).to(q_ptr.dtype.element_ty)
     if SPLIT == 1 and not RED:
         q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0)
         do = tl.load(do_ptr + offs, mask=live[:, None], other=0.0)
+        # up moves row j to row j + H, down row j + H to row j: one 1 per row, exact in any dtype.
+        # (Made after the loads, as before the opt-in forms below: the default build is unchanged.)
+        up = (heads[:, None] == heads[None, :] + H).to(q.dtype)
+        down = (heads[None, :] == heads[:, None] + H).to(q.dtype)
         qd = (q.to(tl.float32) + tl.dot(up, do, input_precision=PREC)).to(q.dtype)
     else:
+        up = (heads[:, None] == heads[None, :] + H).to(q_ptr.dtype.element_ty)
+        down = (heads[None, :] == heads[:, None] + H).to(q_ptr.dtype.element_ty)
         # Rows [0, H) from q, [H, 2H) from dO as one loaded tile, which stays in shared memory for
         # both of its operand roles (the computed qd above is moved between layouts every slot
         # block). Only with the opt-in split products or layout adds so far (with the layout adds the
@@ -439,11 +442,15 @@ def _sparse_mla_bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, d
 
 
 def check_split(config: Config, dim: int) -> None:
-    """A split product needs D in slices of at least one tensor-core step (16 columns); the
-    slot-major backward has no split form."""
+    """A split product needs D in slices of at least one tensor-core step (16 columns), and at least
+    one slice per warp (Triton lays the warps along the product's batch: fewer slices than warps
+    would repeat each slice's product on several warps); the slot-major backward has no split form."""
     if config.split_k > 1 and (dim % config.split_k or dim // config.split_k < 16):
         raise ValueError(f"{config.label()} splits {dim} latent columns into {config.split_k} slices: each must be "
                          "a whole number of at least 16 columns; use split_k 1 or a divisor of the width")
+    if config.split_k > 1 and config.split_k < config.num_warps:
+        raise ValueError(f"{config.label()} splits the latent into {config.split_k} slices for {config.num_warps} warps: "
+                         "each slice's product would run on several warps; use split_k >= num_warps (or 1)")
     if config.split_k > 1 and config.slot_major:
         raise ValueError(f"{config.label()}: the slot-major backward has no split products; use split_k 1 or drop slot_major")
 

@@ -199,6 +199,12 @@ def replay_of(op: str, impl: str) -> Callable | None:
     return _REPLAYS.get((op, impl), _REPLAYS.get((op, ANY)))
 
 
+def current_frame():
+    """The replay frame in force (`replay_frame`), or None: for a keeper outside the op registry
+    (genolong.train.keep_moe keeps a whole module's output)."""
+    return _FRAME.get()
+
+
 @contextlib.contextmanager
 def replay_frame(frame) -> Iterator[None]:
     """Put a replay frame in force for the body (genolong.train.keep: record in the forward, replay in

@@ -94,6 +94,12 @@ def finetune(
     overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Offload copies on their own streams.", rich_help_panel=_MEM)] = True,
     moe_chunking: Annotated[bool, typer.Option("--moe-chunking/--no-moe-chunking", help="MoE in sequence chunks.", rich_help_panel=_MEM)] = True,
     moe_chunk: Annotated[str, typer.Option(help="Tokens per MoE chunk.", rich_help_panel=_MEM)] = "64k",
+    keep_moe: Annotated[
+        bool,
+        typer.Option("--keep-moe/--no-keep-moe", help="Under recompute, keep each chunked MoE's output from the forward: two MoE "
+                                                     "forwards a step instead of three, for hidden x 2 bytes a token and MoE layer "
+                                                     "where --keep-sparse keeps (opt-in: not yet measured on a GPU).", rich_help_panel=_MEM),
+    ] = False,
     mhc_low_precision: Annotated[
         bool, typer.Option("--mhc-low-precision/--no-mhc-low-precision", help="mHC projection without an fp32 input copy.", rich_help_panel=_MEM)
     ] = True,
@@ -174,6 +180,7 @@ def finetune(
                 offload_overlap=overlap,
                 keep_sparse=keep_sparse,
                 moe_chunking=moe_chunking,
+                keep_moe=keep_moe,
                 mhc_low_precision=mhc_low_precision,
                 chunked_loss=chunked_loss,
                 **memory_fields,

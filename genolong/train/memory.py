@@ -28,6 +28,9 @@ then recompute and offload (they wrap whole layers):
 - keep_sparse (with recompute): a `KeptResults` (genolong.train.keep) given to every Recompute
   wrapper: the recompute takes the DSA layers' selections and sparse attention from the forward
   ("host": parked in the offloader's pinned pool; "device": kept on the GPU; "off": recomputed).
+  keep_moe (opt-in): the same keeper also keeps each chunked MoE's output, so the layer's recompute
+  does not run the MoE (genolong.train.keep_moe); it waits where the DSA results do (with
+  keep_sparse off: in the pinned pool when offload is on, else on the GPU).
 - chunked_loss is the loop's (genolong.train.loss).
 """
 
@@ -37,7 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from genolong.model import ops
 from genolong.train.keep import KeptResults
+from genolong.train.keep_moe import KEPT_OP as KEPT_MOE
+from genolong.train.keep_moe import kept_moe_output
 from genolong.train.offload import HostOffloader, Offload, OffloadStats
 from genolong.train.options import MemoryOptions
 from genolong.train.recompute import Recompute, apply_recompute, checkpointed, decoder_body
@@ -53,9 +59,15 @@ class ChunkedMoE(ModuleWrapper):
         self.chunk_tokens = chunk_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= self.chunk_tokens:
+        if x.reshape(-1, x.shape[-1]).shape[0] <= self.chunk_tokens:
             return self.wrapped(x)
+        frame = ops.current_frame() if torch.is_grad_enabled() else None
+        if frame is not None and frame.keeps(KEPT_MOE):  # keep_moe: the recompute takes the forward's output
+            return kept_moe_output(self.wrapped, x, self.chunk_tokens, frame)
+        return self.checkpointed_chunks(x)
+
+    def checkpointed_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
         pieces = []
         for start in range(0, flat.shape[0], self.chunk_tokens):
             piece = flat[start : start + self.chunk_tokens]
@@ -125,7 +137,8 @@ class MemoryHandle:
             "mhc_fp32_input": not self.opts.mhc_low_precision,
             "pinned": self.opts.offload_pinned,
             "overlap": self.opts.offload_overlap,
-            "keep_sparse": self.keep.where if self.keep is not None else "off",
+            "keep_sparse": self.keep.where if self.keep is not None and self.opts.kept_where() else "off",
+            "keep_moe": self.keep.where if self.keep is not None and KEPT_MOE in self.keep.ops else "off",
         }
 
     def remove(self) -> None:
@@ -150,11 +163,12 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
         handle.recompute = apply_recompute(model)
         if opts.offload:
             _apply_offload(handle, model, opts)
-        where = opts.kept_where()
-        if where == "host" and opts.keep_sparse == "auto" and not _on_cuda(model):
+        where = opts.kept_where() or opts.kept_moe_where()
+        kept_ops = (*(ops.keepable_ops() if opts.kept_where() else ()), *((KEPT_MOE,) if opts.keeps_moe() else ()))
+        if where == "host" and opts.keep_sparse != "host" and not _on_cuda(model):
             where = "device"  # host and device memory are one RAM: a copy would only cost time
         if where is not None:
-            handle.keep = KeptResults(where, handle.offloader)
+            handle.keep = KeptResults(where, handle.offloader, ops_kept=kept_ops)
             for wrapper in handle.recompute:
                 wrapper.keep = handle.keep
     return handle

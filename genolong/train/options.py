@@ -36,6 +36,9 @@ class MemoryOptions:
       the forward for the recompute (genolong.train.keep): "host" (pinned host memory), "device",
       "off" (recompute them), "auto" (host with offload on, else device).
     moe_chunking: run MoE layers over the sequence in chunks of `moe_chunk_tokens` tokens.
+    keep_moe: under recompute with moe_chunking, keep each MoE layer's output from the forward for
+      the recompute (genolong.train.keep_moe): two MoE forwards a step instead of three, for hidden
+      x 2 bytes a token and MoE layer where keep_sparse keeps (opt-in until measured on the GPU).
     mhc_low_precision: mHC mixing projection without an fp32 copy of its input.
     chunked_loss: LM head + loss in chunks of `loss_chunk_tokens` (no [T, vocab] logits).
     gpu_budget_gib / host_budget_gib: the pre-flight's limits; None = the device's / machine's.
@@ -49,6 +52,7 @@ class MemoryOptions:
     keep_sparse: str = "auto"
     moe_chunking: bool = True
     moe_chunk_tokens: int = 65536
+    keep_moe: bool = False
     mhc_low_precision: bool = True
     chunked_loss: bool = True
     loss_chunk_tokens: int | None = None  # None = ~1 GiB of fp32 logits per chunk (loss.auto_chunk_tokens)
@@ -87,12 +91,25 @@ class MemoryOptions:
             raise GenolongError(f"--keep-sparse must be one of {', '.join(KEEP_CHOICES)}, got {self.keep_sparse!r}")
         if self.keep_sparse == "host" and not self.offload:
             raise GenolongError("--keep-sparse host parks results in the offload's pinned host pool: add --offload or use --keep-sparse device / off")
+        if self.keep_moe and not (self.recompute and self.moe_chunking):
+            raise GenolongError("--keep-moe keeps the MoE output for the layers' recompute of its chunks: it needs recompute and --moe-chunking; drop --keep-moe")
         if self.offload_layers is not None and self.offload_layers < 0:
             raise GenolongError(f"offload_layers must be >= 0, got {self.offload_layers}")
         for name in ("moe_chunk_tokens", "loss_chunk_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise GenolongError(f"{name} must be positive, got {getattr(self, name)}")
         return self
+
+    def keeps_moe(self) -> bool:
+        """Whether the chunked MoE layers' outputs are kept for the recompute (genolong.train.keep_moe)."""
+        return self.keep_moe and self.recompute and self.moe_chunking
+
+    def kept_moe_where(self) -> str | None:
+        """Where the kept MoE outputs wait: with the DSA results, or (keep_sparse off) where "auto" would
+        put those; None when they are not kept."""
+        if not self.keeps_moe():
+            return None
+        return self.kept_where() or ("host" if self.offload else "device")
 
     def kept_where(self) -> str | None:
         """Where recompute keeps the DSA results ("host" / "device"), or None (recomputed)."""

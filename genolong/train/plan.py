@@ -424,7 +424,7 @@ def estimate_memory(
 
     loss_items = _loss_head(config, t, opts, a)
     # (over the cp shard: a tp rank attends with its heads for every token of the shard)
-    kept_gpu = _kept_results(config, t.shard, opts, a, host, setup.layout.tp)
+    kept_gpu = _kept_results(config, t.shard, opts, a, host, setup.layout.tp, t.seq)
 
     if opts.recompute:
         if offload_layers is None:
@@ -495,17 +495,29 @@ def estimate_cpu_memory(
     return est
 
 
-def _kept_results(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int, host: dict[str, int], tp: int) -> dict[str, int]:
-    """The GPU items of what recompute keeps from the forward (genolong.train.keep); adds the host's."""
+def _kept_results(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int, host: dict[str, int], tp: int, moe_tokens: int) -> dict[str, int]:
+    """The GPU items of what recompute keeps from the forward (genolong.train.keep: the DSA results
+    over `tokens`, and with keep_moe each chunked MoE layer's output over `moe_tokens`, the MoE's
+    tokens per GPU); adds the host's."""
     where = opts.kept_where()
-    kept = [kept_bytes_per_token(config, i, a, tp) * tokens for i in range(config.num_layers)] if where else []
+    layers = range(config.num_layers)
+    dsa = [kept_bytes_per_token(config, i, a, tp) * tokens if where else 0 for i in layers]
+    moe_kept = opts.keeps_moe() and moe_chunks_checkpointed(moe_tokens, opts)
+    if moe_kept:
+        where = where or opts.kept_moe_where()
+    moe = [a * config.hidden * moe_tokens if moe_kept and config.mlp_types[i] == MLP_MOE else 0 for i in layers]
     if where == "device":
-        # All alive at the backward of the last DSA layer (freed layer by layer after it).
-        return {"kept DSA results (device)": sum(kept)}
+        # All alive at the backward of the last layer that keeps (freed layer by layer after it).
+        out = {"kept DSA results (device)": sum(dsa)} if opts.kept_where() else {}
+        return {**out, **({"kept MoE outputs (device)": sum(moe)} if moe_kept else {})}
     if where == "host":
-        host["kept DSA results (pinned)"] = sum(kept)
+        if opts.kept_where():
+            host["kept DSA results (pinned)"] = sum(dsa)
+        if moe_kept:
+            host["kept MoE outputs (pinned)"] = sum(moe)
         # A layer's own and the next one's (prefetched) are on the GPU during its recompute.
-        return {"kept DSA results in flight (2 layers)": sum(sorted(kept)[-2:])}
+        name = "kept DSA results and MoE outputs" if moe_kept and opts.kept_where() else "kept MoE outputs" if moe_kept else "kept DSA results"
+        return {f"{name} in flight (2 layers)": sum(sorted(d + m for d, m in zip(dsa, moe))[-2:])}
     return {}
 
 
@@ -770,7 +782,10 @@ def _flag_fixes(opts: MemoryOptions, fits) -> list[str]:
 
 
 def _keep_fixes(trial, opts: MemoryOptions, device: str) -> list[str]:
-    """Kept DSA results moved off the GPU (to pinned memory) or not kept at all, if that fits."""
+    """Kept DSA results moved off the GPU (to pinned memory) or not kept at all, if that fits; kept MoE
+    outputs not kept."""
+    if opts.keeps_moe() and trial(o=MemoryOptions.from_dict({**opts.to_dict(), "keep_moe": False})).fits:
+        return ["the MoE outputs recomputed, not kept: drop --keep-moe"]
     where = opts.kept_where()
     if where is None:
         return []

@@ -77,6 +77,7 @@ def plan(
     keep_sparse: str = typer.Option("auto", "--keep-sparse", help="Kept DSA results under recompute: auto, host, device, off (as in finetune)"),
     moe_chunking: bool = typer.Option(True, "--moe-chunking/--no-moe-chunking", help="MoE in checkpointed sequence chunks"),
     moe_chunk: str = typer.Option("64k", "--moe-chunk", help="Tokens per MoE chunk"),
+    keep_moe: bool = typer.Option(False, "--keep-moe/--no-keep-moe", help="Kept MoE outputs under recompute (as in finetune)"),
     chunked_loss: bool = typer.Option(True, "--chunked-loss/--no-chunked-loss", help="LM head + loss in sequence chunks"),
     loss_chunk: str | None = typer.Option(None, "--loss-chunk", help="Tokens per loss chunk (default: ~1 GiB of fp32 logits)", show_default=False),
     mhc_low_precision: bool = typer.Option(True, "--mhc-low-precision/--no-mhc-low-precision", help="mHC projection without an fp32 input copy"),
@@ -156,6 +157,7 @@ def plan(
             offload_pinned=pinned,
             offload_overlap=overlap,
             keep_sparse=keep_sparse,
+            keep_moe=keep_moe,
             **memory_fields,
         )
     config = get_preset(preset)

@@ -1,6 +1,7 @@
 """Kept results under recompute on a CUDA GPU (skipped without one): glm53-mini at 4 layers with
 every hot op fused, the recompute replaying the Triton sparse attention and the fused selection
-from pinned host memory, against the same step recomputing everything."""
+from pinned host memory, against the same step recomputing everything; the MoE outputs kept
+(keep_moe) against the MoE's chunk checkpoint."""
 
 import gc
 
@@ -75,3 +76,46 @@ def test_the_deferred_pack_check_on_cuda_resolves_as_the_synchronous_one(packs):
     want = pack_selection(idx, kpool=4, topk_pools=256)
     assert len(kept) == len(want) == (2 if packs else 1)
     assert all(torch.equal(a, b) for a, b in zip(kept, want))
+
+
+def test_kept_moe_outputs_from_pinned_memory_train_like_the_chunk_checkpoint():
+    """MemoryOptions.keep_moe on CUDA: the outputs parked in pinned memory, brought back for the
+    recompute, the MoE run in its own backward with the fused kernels (genolong.train.keep_moe)."""
+    from genolong.model import GenoLongForCausalLM, get_preset
+    from genolong.model.config import MLP_MOE
+    from genolong.train.memory import apply_memory_optimizations
+    from genolong.train.options import MemoryOptions
+
+    kernels.load()
+    torch.manual_seed(0)
+    cfg = get_preset("glm53-mini", num_layers=6)
+    n_moe = sum(1 for kind in cfg.mlp_types if kind == MLP_MOE)
+    assert n_moe >= 2
+    model = GenoLongForCausalLM(cfg, dtype=torch.bfloat16).to(DEV)
+    tokens = torch.randint(0, 4, (1, 16385), device=DEV)
+
+    def step(keep_moe):
+        memory = apply_memory_optimizations(model, MemoryOptions(moe_chunk_tokens=4096, keep_moe=keep_moe))
+        model.zero_grad(set_to_none=True)
+        try:
+            with ops.policy("fused") as policy:
+                logits = model(tokens[:, :-1]).logits.float()
+                loss = torch.nn.functional.cross_entropy(logits[0], tokens[0, 1:])
+            parked = memory.pinned_bytes()
+            del logits
+            loss.backward()
+            gc.collect()
+            torch.cuda.synchronize()
+            grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+            return loss.item(), grads, policy, parked, memory.pinned_bytes()
+        finally:
+            memory.remove()
+
+    chunk_loss, chunk_grad, _, parked_off, _ = step(False)
+    kept_loss, kept_grad, policy, parked, after = step(True)
+    assert set(policy.audit_summary()["moe_experts"]) != {ops.REFERENCE}
+    assert parked - parked_off == n_moe * 16384 * cfg.hidden * 2 and after == 0  # the bf16 outputs, then all given back
+    rel = ((kept_grad - chunk_grad).norm() / chunk_grad.norm()).item()
+    print(f"loss kept {kept_loss:.6f} chunk checkpoint {chunk_loss:.6f}; gradients differ by {rel:.2e}")
+    assert abs(kept_loss - chunk_loss) <= 1e-4 * abs(chunk_loss)  # the same forward (up to atomic-add order)
+    assert rel <= 1e-2, rel

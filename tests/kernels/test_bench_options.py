@@ -1,5 +1,5 @@
 """Option parsing of the GPU benchmarks (they run on the H200 only; their arguments are checked here):
-bench_train's environment arms and bench_sparse_attention's backward probe names."""
+bench_train's environment and keep-moe arms and bench_sparse_attention's backward probe names."""
 
 import sys
 from pathlib import Path
@@ -18,6 +18,16 @@ def test_env_arms_split_into_settings_per_arm():
     assert parse_env_arms("A=1, B=x=y;") == [{"A": "1", "B": "x=y"}]
     with pytest.raises(SystemExit, match="'B' is not NAME=value"):
         parse_env_arms("A=1,B")
+
+
+def test_keep_moe_arms_parse():
+    from bench_train import parse_keep_moe
+
+    assert parse_keep_moe("off") == [False] and parse_keep_moe("off, on") == [False, True]
+    with pytest.raises(SystemExit, match="'yes' is not off or on"):
+        parse_keep_moe("off,yes")
+    with pytest.raises(SystemExit, match="is not off or on"):
+        parse_keep_moe("")
 
 
 def test_an_env_arm_does_not_inherit_the_settings_of_the_arm_before(monkeypatch):

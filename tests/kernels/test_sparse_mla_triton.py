@@ -83,7 +83,7 @@ CASES = {
              configs={"fwd": [16, 32, 4, 5, 1, False, 4], "bwd": [16, 16, 8, 5, 1, False, 8]}),
     "fp32 80 heads, split products: head blocks 64+16 (fwd), 32+32+16 (bwd)":
         dict(batch=1, seq=24, heads=80, dim=64, sel="random", width=11, dtype="float32", mode="atomic",
-             configs={"fwd": [64, 32, 8, 5, 1, False, 4], "bwd": [32, 16, 8, 5, 1, False, 2]}),
+             configs={"fwd": [64, 32, 4, 5, 1, False, 4], "bwd": [32, 16, 4, 5, 1, False, 4]}),
     # The key-chunked forward (fwd_mode "keychunk"): the rows as the key-chunked backward walks them,
     # one launch per key chunk (twice the backward's keys), the online-softmax state between launches.
     "fp32 key-chunked forward, random rows walked unsorted before their order is known, chunks of 16 keys, 3 query chunks":
@@ -387,9 +387,12 @@ def test_split_products_need_whole_slices_of_the_latent():
     from genolong.kernels import sparse_mla_grouped_triton as grouped
 
     k.check_split(k.Config(16, 16, 4, 5, split_k=4), 512)
+    k.check_split(k.Config(16, 16, 4, 5, split_k=8), 512)  # two slices a warp
     for split, dim in ((3, 512), (8, 64), (4, 48)):
         with pytest.raises(ValueError, match="split_k 1 or a divisor"):
             k.check_split(k.Config(16, 16, 4, 5, split_k=split), dim)
+    with pytest.raises(ValueError, match="4 slices for 8 warps: .* use split_k >= num_warps"):
+        k.check_split(k.Config(16, 16, 8, 5, split_k=4), 512)
     with pytest.raises(ValueError, match="slot-major backward has no split"):
         k.check_split(k.Config(16, 64, 4, 1, slot_major=True, split_k=4), 512)
     # The grouped and key-chunked passes would run a pinned split config unsplit under its label.

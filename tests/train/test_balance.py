@@ -86,14 +86,16 @@ def _step(model, tokens, balancer, memory=None):
 
 # Chunks of 40 cut the sequences of 48 (the counts must not care); with the balance loss, chunks
 # of one sequence keep its segments (a chunk inside a sequence is balanced on its own, by design).
-@pytest.mark.parametrize(("aux", "moe_chunk"), [(0.0, 40), (0.1, 48)])
-def test_tokens_are_counted_once_under_recompute_and_moe_chunking(aux, moe_chunk):
+# keep_moe: the forward's run of the MoE is the counted one, its recompute is skipped, its run in
+# backward builds the balance loss's gradient (genolong.train.keep_moe).
+@pytest.mark.parametrize(("aux", "moe_chunk", "keep_moe"), [(0.0, 40, False), (0.1, 48, False), (0.0, 40, True), (0.1, 48, True)])
+def test_tokens_are_counted_once_under_recompute_and_moe_chunking(aux, moe_chunk, keep_moe):
     model = _tiny()
     tokens = torch.randint(0, 4, (2, 48))
     balancer = ExpertBalancer(model, aux_loss_coeff=aux)
     plain, plain_grads, plain_stats = _step(model, tokens, balancer)
     # Full recompute plus MoE chunks, each under its own checkpoint: the router runs three times.
-    stacked = MemoryOptions(offload=False, moe_chunk_tokens=moe_chunk)
+    stacked = MemoryOptions(offload=False, moe_chunk_tokens=moe_chunk, keep_moe=keep_moe)
     again, again_grads, again_stats = _step(model, tokens, balancer, stacked)
     assert sorted(plain) == [3, 4, 5, 6, 7]
     for layer, counts in plain.items():

@@ -44,6 +44,10 @@ def test_memory_flags_reach_the_options(data, tmp_path):
     assert kept.exit_code == 0, kept.output
     k = TrainOptions.from_dict(json.loads((tmp_path / "k" / "options.json").read_text())).memory
     assert (k.keep_sparse, k.kept_where()) == ("device", "device")
+    moe = _run("--data", data, "--out", tmp_path / "m", "--steps", 1, *TINY, "--keep-moe", "--moe-chunk", "32")
+    assert moe.exit_code == 0, moe.output
+    mo = TrainOptions.from_dict(json.loads((tmp_path / "m" / "options.json").read_text())).memory
+    assert (mo.keep_moe, mo.keeps_moe(), mo.moe_chunk_tokens) == (True, True, 32)
     base = _run("--data", data, "--out", tmp_path / "b", "--steps", 1, *TINY, "--baseline")
     assert base.exit_code == 0, base.output
     b = TrainOptions.from_dict(json.loads((tmp_path / "b" / "options.json").read_text())).memory
@@ -74,6 +78,7 @@ def test_balance_and_repeat_flags_reach_the_options(data, tmp_path):
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--repeat-weight", "2"], "--repeat-weight must be in [0, 1]"),
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--balance-rate", "-1"], "--balance-rate and --aux-loss-coeff must be >= 0"),
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--keep-sparse", "gpu"], "--keep-sparse must be one of auto, host, device, off"),
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--keep-moe", "--no-moe-chunking"], "--keep-moe keeps the MoE output"),
     ],
 )
 def test_bad_input_is_one_line(data, tmp_path, args, message):
