@@ -15,9 +15,30 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
+def _fused_step(model, tokens, opts):
+    """One step under the fused policy with these memory options: (loss, flat fp32 gradients, the
+    policy, the keeper's stats, pinned bytes after the forward, pinned bytes after backward)."""
+    from genolong.train.memory import apply_memory_optimizations
+
+    memory = apply_memory_optimizations(model, opts)
+    model.zero_grad(set_to_none=True)
+    try:
+        with ops.policy("fused") as policy:
+            logits = model(tokens[:, :-1]).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[0], tokens[0, 1:])
+        parked = memory.pinned_bytes()
+        del logits
+        loss.backward()
+        gc.collect()
+        torch.cuda.synchronize()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        return loss.item(), grads, policy, memory.keep.stats if memory.keep else None, parked, memory.pinned_bytes()
+    finally:
+        memory.remove()
+
+
 def test_kept_sparse_attention_from_pinned_memory_trains_like_a_full_recompute():
     from genolong.model import GenoLongForCausalLM, get_preset
-    from genolong.train.memory import apply_memory_optimizations
     from genolong.train.options import MemoryOptions
 
     kernels.load()
@@ -27,25 +48,8 @@ def test_kept_sparse_attention_from_pinned_memory_trains_like_a_full_recompute()
     model = GenoLongForCausalLM(cfg, dtype=torch.bfloat16).to(DEV)
     tokens = torch.randint(0, 4, (1, 16385), device=DEV)
 
-    def step(keep):
-        memory = apply_memory_optimizations(model, MemoryOptions(keep_sparse=keep))
-        model.zero_grad(set_to_none=True)
-        try:
-            with ops.policy("fused") as policy:
-                logits = model(tokens[:, :-1]).logits.float()
-                loss = torch.nn.functional.cross_entropy(logits[0], tokens[0, 1:])
-            parked = memory.pinned_bytes()
-            del logits
-            loss.backward()
-            gc.collect()
-            torch.cuda.synchronize()
-            grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-            return loss.item(), grads, policy, memory.keep.stats if memory.keep else None, parked, memory.pinned_bytes()
-        finally:
-            memory.remove()
-
-    full_loss, full_grad, _, _, _, _ = step("off")
-    kept_loss, kept_grad, policy, stats, parked, after = step("host")
+    full_loss, full_grad, _, _, _, _ = _fused_step(model, tokens, MemoryOptions(keep_sparse="off"))
+    kept_loss, kept_grad, policy, stats, parked, after = _fused_step(model, tokens, MemoryOptions(keep_sparse="host"))
     assert policy.audit_summary()["dsa_sparse_attention"] == {"triton_sparse_mla": n_dsa}
     assert (stats.recorded, stats.replayed, stats.rerun) == (2 * n_dsa, 2 * n_dsa, 0)
     # Parked in pinned memory, a layer: the selection as 512 pools + 3 tail slots (int32), the output
@@ -83,7 +87,6 @@ def test_kept_moe_outputs_from_pinned_memory_train_like_the_chunk_checkpoint():
     recompute, the MoE run in its own backward with the fused kernels (genolong.train.keep_moe)."""
     from genolong.model import GenoLongForCausalLM, get_preset
     from genolong.model.config import MLP_MOE
-    from genolong.train.memory import apply_memory_optimizations
     from genolong.train.options import MemoryOptions
 
     kernels.load()
@@ -94,25 +97,8 @@ def test_kept_moe_outputs_from_pinned_memory_train_like_the_chunk_checkpoint():
     model = GenoLongForCausalLM(cfg, dtype=torch.bfloat16).to(DEV)
     tokens = torch.randint(0, 4, (1, 16385), device=DEV)
 
-    def step(keep_moe):
-        memory = apply_memory_optimizations(model, MemoryOptions(moe_chunk_tokens=4096, keep_moe=keep_moe))
-        model.zero_grad(set_to_none=True)
-        try:
-            with ops.policy("fused") as policy:
-                logits = model(tokens[:, :-1]).logits.float()
-                loss = torch.nn.functional.cross_entropy(logits[0], tokens[0, 1:])
-            parked = memory.pinned_bytes()
-            del logits
-            loss.backward()
-            gc.collect()
-            torch.cuda.synchronize()
-            grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-            return loss.item(), grads, policy, parked, memory.pinned_bytes()
-        finally:
-            memory.remove()
-
-    chunk_loss, chunk_grad, _, parked_off, _ = step(False)
-    kept_loss, kept_grad, policy, parked, after = step(True)
+    chunk_loss, chunk_grad, _, _, parked_off, _ = _fused_step(model, tokens, MemoryOptions(moe_chunk_tokens=4096))
+    kept_loss, kept_grad, policy, _, parked, after = _fused_step(model, tokens, MemoryOptions(moe_chunk_tokens=4096, keep_moe=True))
     assert set(policy.audit_summary()["moe_experts"]) != {ops.REFERENCE}
     assert parked - parked_off == n_moe * 16384 * cfg.hidden * 2 and after == 0  # the bf16 outputs, then all given back
     rel = ((kept_grad - chunk_grad).norm() / chunk_grad.norm()).item()
