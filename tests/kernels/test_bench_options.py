@@ -93,3 +93,30 @@ def test_pinned_forward_config_cells_parse():
                 "triton-cfg16x32x8x5k-fwd"):
         assert forward_config(bad) is None, bad
     assert not is_impl("triton-cfg16x32x8-fwd")
+
+
+def test_dkv_adds_cells_parse():
+    pytest.importorskip("triton")
+    from bench_sparse_attention import is_impl, parse_adds
+
+    assert parse_adds("adds-coalesced") == ("coalesced", "mma", "keychunk")
+    assert parse_adds("adds-layout-flat") == ("layout", "flat", "keychunk")
+    assert parse_adds("adds-store-query-flat") == ("store", "flat", "query")
+    for bad in ("adds", "adds-max", "adds-coalesced-fast", "probe-adds-coalesced"):
+        assert parse_adds(bad) is None, bad
+    assert is_impl("adds-coalesced-query") and not is_impl("adds-fast")
+
+
+def test_every_pinned_config_of_a_preset_builds():
+    """A preset cell's pinned launch config must pass the kernels' own checks (a split with fewer
+    slices than warps would time each slice's product twice: refused by check_split)."""
+    pytest.importorskip("triton")
+    from bench_sparse_attention import LATENT, PRESETS, forward_config, parse_probe
+
+    from genolong.kernels.sparse_mla_triton import check_split
+
+    pinned = [forward_config(impl) or parse_probe(impl)[3] for preset in PRESETS.values() for _, _, impl in preset["cells"]
+              if forward_config(impl) or impl.startswith("probe-") and "-bwd" in impl]
+    assert any(c.split_k > 1 for c in pinned)
+    for config in pinned:
+        check_split(config, LATENT)
