@@ -178,7 +178,7 @@ def main(argv=None) -> int:
                 bench.use(opts)
                 continue
             row.update(bench.plan(n, offload_layers=row["offload_layers"]))
-            row.update(phase="train", step=k + 1, ok=True, keep_moe=moe, **({"env": arm} if arm else {}))
+            row.update(phase="train", step=k + 1, ok=True, **({"env": arm} if arm else {}))
             if k == 0:
                 row["kernels"] = ops.audit_summary()
                 row["memory"] = bench.handle.describe()
