@@ -43,6 +43,8 @@ for stage in "$@"; do
     moecombine) cmd="python3 benchmarks/bench_moe_combine.py --out $OUT/moe_combine ${MOECOMBINE_ARGS:-}" ;;
     # The MoE experts' clamped SwiGLU, eager vs the fused Triton pass (GENOLONG_MOE_SWIGLU).
     swiglu) cmd="python3 benchmarks/bench_swiglu.py --out $OUT/swiglu ${SWIGLU_ARGS:-}" ;;
+    # The MoE router's top-k, torch.topk vs the Triton kernel (GENOLONG_ROUTER_TOPK).
+    routertopk) cmd="python3 benchmarks/bench_router_topk.py --out $OUT/router_topk ${ROUTERTOPK_ARGS:-}" ;;
     # How much neighbouring queries' real selections overlap (would a union sparse-MLA backward pay off?).
     overlap) cmd="python3 benchmarks/probe_selection_overlap.py --data /tmp/bundled --out $OUT/overlap ${OVERLAP_ARGS:-}" ;;
     idxloss) cmd="python3 benchmarks/bench_indexer_loss.py --sizes 128k,512k --out $OUT/indexer_loss" ;;

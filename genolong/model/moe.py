@@ -68,8 +68,11 @@ class Router(nn.Module):
         return route(x, self.weight, self.e_score_correction_bias, self.cfg)
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's math as a function of tensors (genolong.train.compile compiles it once for every layer)."""
+def route(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, cfg: MoEConfig,
+          top_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's math as a function of tensors (genolong.train.compile compiles it once for every layer).
+    `top_indices(choice, k)` picks each row's k experts (default: torch.topk's indices; the compiled
+    router may pass a fused kernel that picks the same ones)."""
     scores = F.linear(x.float(), weight.float()).sigmoid()
     choice = scores + correction_bias.float()
     if cfg.n_group > 1:
@@ -78,7 +81,10 @@ def route(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, 
         best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices
         keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
-    topk_idx = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
+    if top_indices is None:
+        topk_idx = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
+    else:
+        topk_idx = top_indices(choice, cfg.top_k)
     topk_w = scores.gather(1, topk_idx)
     if cfg.norm_topk_prob:
         topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)

@@ -16,7 +16,10 @@ times. Regions:
   (one fused kernel) instead of a [T]-batched 1x4 matrix product.
 - mHC expand (`HyperConnection.expand`): post * out + comb^T streams, likewise fused.
 - `RMSNorm`, `GatedRMSNorm`, the MoE `Router` (sigmoid scores, bias, top-k, normalisation),
-  the dense SwiGLU MLP (also the MoE's shared expert; its GEMMs stay cuBLAS calls).
+  the dense SwiGLU MLP (also the MoE's shared expert; its GEMMs stay cuBLAS calls). With
+  GENOLONG_ROUTER_TOPK=triton the router's top-k is `torch.ops.genolong.router_topk`
+  (genolong/kernels/router_topk.py: one Triton pass instead of torch.topk's radix select; opt-in
+  until timed on a GPU).
 
 The token dimension is marked dynamic, so a new sequence length (or the last, shorter MoE
 chunk) reuses the graphs instead of compiling again. Compiled regions sit inside the layer, so
@@ -31,6 +34,7 @@ switched (a tensor-parallel MLP) or wrapped for the mHC fp32-input ablation stay
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -145,10 +149,10 @@ def _gated_norm(x, gate, weight, eps: float):
     return gated_rms_norm(x, gate, weight, eps)
 
 
-def _route(x, weight, bias, cfg):
+def _route(x, weight, bias, cfg, triton_topk: bool):
     from genolong.model.moe import route
 
-    return route(x, weight, bias, cfg)
+    return route(x, weight, bias, cfg, top_indices=torch.ops.genolong.router_topk if triton_topk else None)
 
 
 def _swiglu(x, gate_w, up_w, down_w, limit: float):
@@ -214,7 +218,7 @@ class CompiledRouter(Router):
 
     def forward(self, x):
         _tokens_dynamic(x)
-        return compiled("route")(x, self.weight, self.e_score_correction_bias, self.cfg)
+        return compiled("route")(x, self.weight, self.e_score_correction_bias, self.cfg, _router_topk_triton(x))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, compiled".lstrip(", ")
@@ -231,6 +235,16 @@ class CompiledDenseMLP(DenseMLP):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, compiled".lstrip(", ")
+
+
+def _router_topk_triton(x: torch.Tensor) -> bool:
+    """Whether the compiled router picks its experts with genolong/kernels/router_topk.py's kernel:
+    GENOLONG_ROUTER_TOPK=triton on CUDA (read at each call, so one process can time both)."""
+    if not x.is_cuda or os.environ.get("GENOLONG_ROUTER_TOPK", "torch") == "torch":
+        return False
+    from genolong.kernels import router_topk  # registers torch.ops.genolong.router_topk
+
+    return router_topk.setting() == "triton"
 
 
 _COMPILED_CLASSES = (CompiledHyperConnection, CompiledRMSNorm, CompiledGatedRMSNorm, CompiledRouter, CompiledDenseMLP)

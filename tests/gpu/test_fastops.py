@@ -40,6 +40,22 @@ def test_indexer_v2_selection_identical_to_reference(heads):
     assert key_chunk_rows(rows, torch.tensor([0, 4096, seq], dtype=torch.int32, device=DEV))[0] is rows
 
 
+@pytest.mark.parametrize("top", ["narrow", "narrow8"])
+def test_indexer_v2_top_builds_write_the_wide_builds_rows(top, monkeypatch):
+    # The selection kernels' top-k builds (indexer_triton.TOP_BUILDS) choose the same entries in the
+    # same slots by construction; on the GPU every row must be equal, not only equal as a set.
+    from genolong.kernels import indexer_triton as tr
+
+    seq = 98304  # past 64k tokens a query sees more than 512 super-groups (G 4, 8 a super-group): every level searches
+    q, keys, w = _indexer_inputs(seq)
+    fused = _impl("dsa_indexer_topk", "triton_fused_select")
+    monkeypatch.setenv(tr.ENV_TOP, "wide")
+    wide = fused(q, keys, w, **KW)
+    monkeypatch.setenv(tr.ENV_TOP, top)
+    got = fused(q, keys, w, **KW)
+    assert torch.equal(got, wide), f"{int((got != wide).any(-1).sum())} of {seq} rows differ from the wide build"
+
+
 def test_indexer_v2_pieces_at_their_offsets_select_like_the_whole_sequence():
     seq = 12288
     q, keys, w = _indexer_inputs(seq)
@@ -114,6 +130,45 @@ def test_sinkhorn_kernels_outputs_and_gradients():
     ref.backward(dy)
     assert _rel(ms.sinkhorn_forward(x.float(), 20, 1e-6), ref) < 1e-5
     assert _rel(ms.sinkhorn_backward(x.float(), dy.float(), 20, 1e-6), xr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,experts,k", [(65536, 64, 4), (16384, 288, 8), (1000, 10, 3)])
+def test_router_topk_kernel_picks_torch_topks_experts(tokens, experts, k):
+    from genolong.kernels.router_topk import router_topk_triton
+
+    scores = torch.rand(tokens, experts, device=DEV)  # distinct almost surely: one right answer
+    scores[:7] = 0.5  # and rows of ties, to the lower indices
+    idx = router_topk_triton(scores, k)
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(idx, want)
+    assert torch.equal(idx[7:].sort(-1).values, scores[7:].topk(k, dim=-1).indices.sort(-1).values)
+
+
+def test_compiled_router_with_the_topk_kernel_routes_like_torch_topk(monkeypatch):
+    from genolong.model.moe import Router
+    from genolong.model.config import MoEConfig
+    from genolong.train.compile import CompiledRouter, apply_compile
+
+    torch.manual_seed(0)
+    router = Router(512, MoEConfig(num_experts=64, top_k=4, expert_dim=256)).to(DEV)
+    torch.nn.init.normal_(router.weight, std=0.02)
+    x = torch.randn(70000, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    handle = apply_compile(router)
+    assert type(router) is CompiledRouter
+    per_expert = torch.randn(64, device=DEV)  # a loss that does not depend on the order of the k picks
+    runs = {}
+    for setting in ("torch", "triton"):
+        monkeypatch.setenv("GENOLONG_ROUTER_TOPK", setting)
+        x.grad = router.weight.grad = None
+        idx, w = router(x)
+        (w * per_expert[idx]).sum().backward()
+        order = idx.argsort(-1)
+        runs[setting] = (idx.gather(1, order), w.gather(1, order), x.grad.clone(), router.weight.grad.clone())
+    handle.remove()
+    assert torch.equal(runs["torch"][0], runs["triton"][0])
+    assert torch.allclose(runs["torch"][1], runs["triton"][1])
+    assert _rel(runs["triton"][2].float(), runs["torch"][2].float()) < 1e-2
+    assert _rel(runs["triton"][3], runs["torch"][3]) < 1e-5
 
 
 def test_compile_pass_matches_eager_on_a_fused_model():

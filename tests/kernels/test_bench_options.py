@@ -120,3 +120,16 @@ def test_every_pinned_config_of_a_preset_builds():
     assert any(c.split_k > 1 for c in pinned)
     for config in pinned:
         check_split(config, LATENT)
+
+
+def test_indexer_variants_name_their_selection_build():
+    pytest.importorskip("triton")
+    from bench_indexer import parse_variant
+
+    assert parse_variant("v1:8") == ("v1", 8, False, None)
+    assert parse_variant("v1:8:sorted") == ("v1", 8, True, None)
+    assert parse_variant("v2:4") == ("v2", 4, False, None)
+    assert parse_variant("v2:4:narrow8") == ("v2", 4, False, "narrow8")
+    for bad in ("v2:4:sorted", "v1:8:narrow", "v3:4", "v2:x", "v2:4:wide:8", "v2:4:fast"):
+        with pytest.raises(SystemExit, match="is not v1:<G>"):
+            parse_variant(bad)

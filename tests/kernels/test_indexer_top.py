@@ -1,0 +1,116 @@
+"""The selection kernels' in-register top-k (`indexer_triton._top` and `_top_narrow`) against a
+sort: the same entries chosen, in the same slots, for every build in TOP_BUILDS.
+
+The reference orders entries by the documented key (fp32 bit pattern made order-preserving, so
+-0.0 sorts below +0.0; -inf and NaN are never chosen) and breaks ties by the lower index; chosen
+entries take slots in index order. It uses torch's stable sort, not the kernels' bit search."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from genolong.errors import GenolongError
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+_INTERPRETED = r"""
+import torch, triton, triton.language as tl
+from genolong.kernels import indexer_triton as it
+
+@triton.jit
+def _probe(s_ptr, chosen_ptr, slot_ptr, take_ptr, n, N: tl.constexpr, TOPK: tl.constexpr, NARROW: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, N)
+    s = tl.load(s_ptr + row * n + i, mask=i < n, other=float("-inf"))
+    chosen, slot, take = it._pick(s, TOPK, NARROW)
+    tl.store(chosen_ptr + row * N + i, chosen.to(tl.int32))
+    tl.store(slot_ptr + row * N + i, tl.where(chosen, slot, -1))
+    tl.store(take_ptr + row, take)
+
+def kernel(s, topk, narrow):
+    rows, n = s.shape
+    N = max(16, triton.next_power_of_2(n))
+    chosen = torch.empty(rows, N, dtype=torch.int32)
+    slot = torch.empty(rows, N, dtype=torch.int32)
+    take = torch.empty(rows, dtype=torch.int32)
+    _probe[(rows,)](s, chosen, slot, take, n, N=N, TOPK=topk, NARROW=narrow)
+    return slot[:, :n], take
+
+def reference(s, topk):
+    bits = s.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    valid = s > float("-inf")
+    key = torch.where(valid, key, -1)
+    slot = torch.full(s.shape, -1, dtype=torch.int32)
+    take = torch.minimum(valid.sum(1), torch.tensor(topk)).int()
+    for r in range(s.shape[0]):
+        order = torch.sort(key[r], descending=True, stable=True).indices[: int(take[r])]
+        picked = torch.sort(order).values
+        slot[r, picked] = torch.arange(len(picked), dtype=torch.int32)
+    return slot, take
+
+torch.manual_seed(0)
+n = 300
+s = torch.randn(16, n)
+s[1] = 1.0                                   # every entry tied
+s[2, 150:] = float("-inf")                   # fewer finite entries than some top-k
+s[3] = float("-inf")                         # none
+s[4, ::3] = 0.0; s[4, 1::3] = -0.0           # signed zeros: -0.0 below +0.0
+s[5, :40] = 2.0                              # ties straddling the threshold
+s[6] = -s[6].abs()                           # all negative
+s[7, 5] = float("nan"); s[7, 9] = float("inf")
+s[8] = torch.randint(-3, 4, (n,)).float()    # few distinct values, many ties
+s[9] = torch.randn(n).to(torch.bfloat16).float()
+s[10, 100:] = float("-inf"); s[10, :100] = 7.0
+s[11] = torch.linspace(-1, 1, n)             # adjacent floats far apart: the search stops early
+s[12] = 1.0 + torch.arange(n) * 2.0 ** -23   # neighbouring floats: the search runs to the last bit
+bad = []
+for topk in (1, 16, 37, 100, 150, 299, 512):
+    want_slot, want_take = reference(s, topk)
+    for narrow in (False, True):
+        slot, take = kernel(s, topk, narrow)
+        for r in range(s.shape[0]):
+            if not (torch.equal(slot[r], want_slot[r]) and int(take[r]) == int(want_take[r])):
+                bad.append((topk, narrow, r))
+print("MISMATCHED", bad)
+"""
+
+
+@needs_triton
+def test_both_top_builds_choose_what_a_stable_sort_chooses():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert "MISMATCHED []" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
+@needs_triton
+def test_top_build_is_read_from_the_environment(monkeypatch):
+    from genolong.kernels import indexer_triton as it
+
+    monkeypatch.delenv(it.ENV_TOP, raising=False)
+    assert it.top_build() == it.TOP_DEFAULT == "wide"
+    monkeypatch.setenv(it.ENV_TOP, "narrow8")
+    assert it._top_options(None) == dict(NARROW=True, num_warps=8)
+    assert it._top_options("wide") == dict(NARROW=False, num_warps=4)  # an explicit build wins
+    monkeypatch.setenv(it.ENV_TOP, "fast")
+    with pytest.raises(GenolongError, match="GENOLONG_INDEXER_TOP='fast' is not one of wide, narrow, narrow8"):
+        it.top_build()
+
+
+@needs_triton
+@pytest.mark.parametrize("seq", [1 << 17, 1 << 19])
+def test_narrow_top_builds_for_sm90_in_fewer_registers(seq):
+    # The uint32 keys are the point: the int64 build of the group selection takes ~224 registers a
+    # thread, so an SM holds two 4-warp programs; without spills the narrow builds hold more.
+    from genolong.kernels import aot, indexer_triton as it
+
+    usage = {top: {name: aot.ptxas_usage(k) for name, k in it.aot_compile_v2(4, 128, 4, 4, seq=seq, top=top).items()
+                   if name.startswith("select")} for top in it.TOP_BUILDS}
+    for top, kernels in usage.items():
+        for name, (regs, spilled) in kernels.items():
+            assert spilled == 0, (top, name, regs)
+    assert usage["narrow"]["select_groups"][0] < usage["wide"]["select_groups"][0] - 32, usage
+    assert usage["narrow8"]["select_groups"][0] <= 128, usage
