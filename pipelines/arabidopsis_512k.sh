@@ -51,11 +51,9 @@ RUN=runs/$TAG
 EVAL=eval/$TAG
 
 stage "1/4 prepare $FASTA (chromosome 1 trains, chromosome 2 held out whole) -> $DATA"
-if [ -f "$DATA/manifest.json" ]; then
-    echo "$DATA: prepared, skipped"
-else
-    $G prepare --fasta "$FASTA" ${TRAIN:+--train "$TRAIN"} ${HOLDOUT:+--holdout "$HOLDOUT"} --out "$DATA"
-fi
+# --reuse: an earlier output of this FASTA with these splits is kept; one of another FASTA or other
+# splits stops the pipeline with a one-line error instead of being trained on silently.
+$G prepare --fasta "$FASTA" ${TRAIN:+--train "$TRAIN"} ${HOLDOUT:+--holdout "$HOLDOUT"} --out "$DATA" --reuse
 
 # glm53-mini has no pretrained weights: train it at a short context first (stage 1), then extend
 # the context (stage 2), as Evo 2 does; the evaluation asks what the long stage added.

@@ -39,11 +39,7 @@ LONG=runs/demo
 EVAL=eval/demo
 
 stage "1/4 prepare: E. coli 536 (NC_008253.1) to train on, phage lambda (NC_001416.1) held out -> $DATA"
-if [ -f "$DATA/manifest.json" ]; then
-    echo "$DATA: prepared, skipped"
-else
-    $G prepare --fasta bundled --train NC_008253.1 --holdout NC_001416.1 --out "$DATA"
-fi
+$G prepare --fasta bundled --train NC_008253.1 --holdout NC_001416.1 --out "$DATA" --reuse
 
 # CPU: no recompute or offload (nothing to save at these lengths). Checkpoints every 25 steps, so
 # an interrupted stage loses little.

@@ -36,7 +36,7 @@ if [ ! -f "$FASTA" ]; then
     curl -fL -o "$FASTA.part" https://hgdownload.soe.ucsc.edu/goldenPath/hg38/bigZips/hg38.fa.gz
     mv "$FASTA.part" "$FASTA"
 fi
-[ -f "$DATA/manifest.json" ] || $G prepare --fasta "$FASTA" --train chr1,chr2 --holdout chr22 --out "$DATA"
+$G prepare --fasta "$FASTA" --train chr1,chr2 --holdout chr22 --out "$DATA" --reuse   # kept if already made from this FASTA
 
 # 2. The model before long-context fine-tuning (the baseline of the evaluation).
 if [ -n "$GLM_CKPT" ]; then

@@ -46,6 +46,14 @@ def prepare(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing prepare output at --out.")
     ] = False,
+    reuse: Annotated[
+        bool,
+        typer.Option(
+            "--reuse",
+            help="Keep an existing output at --out made from the same FASTA (checksum) with the same splits; "
+            "refuse one made otherwise (replace it with --overwrite). For scripts that run prepare every time.",
+        ),
+    ] = False,
 ) -> None:
     """Tokenize a genome FASTA into train/holdout(/validation) splits of whole records, memory-mapped.
 
@@ -81,4 +89,5 @@ def prepare(
         holdout=holdout or DEFAULT_HOLDOUT,
         validation=validation,
         overwrite=overwrite,
+        reuse=reuse,
     )

@@ -78,6 +78,11 @@ def _check_head(source: FastaSource) -> None:
     first = head.lstrip()[:1]
     if first == b">":
         return
+    if head.startswith(b"\xef\xbb\xbf"):
+        raise GenolongError(
+            f"{name!r} starts with a UTF-8 byte-order mark (as some Windows editors save text) before its first '>': "
+            "save it without one, e.g. `sed -i '1s/^\\xEF\\xBB\\xBF//' FILE`"
+        )
     if first == b"@":
         raise GenolongError(
             f"{name!r} looks like FASTQ (reads), not FASTA: "

@@ -6,6 +6,7 @@ finished. Memory holds at most two requested records: one being encoded, one bei
 """
 
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -220,10 +221,18 @@ def _read_streaming(source: FastaSource, requested, recorder: _Recorder, progres
 
 
 def _is_replaceable(out: Path) -> bool:
-    """Only an earlier prepare output (or an empty directory) may be deleted by --overwrite."""
+    """Only an earlier prepare output (its manifest says so, of any format version) or an empty
+    directory may be deleted by --overwrite: a file merely named manifest.json, or another
+    program's dataset directory, is someone else's data."""
     if not out.is_dir():
         return False
-    return not any(out.iterdir()) or (out / manifest_io.FILENAME).is_file() or (out / "dataset_dict.json").is_file()
+    if not any(out.iterdir()):
+        return True
+    try:
+        manifest = json.loads((out / manifest_io.FILENAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == manifest_io.FORMAT
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -245,9 +254,32 @@ def _install(tmp: Path, out: Path, overwrite: bool) -> None:
         return
     _check_out(out, overwrite)
     old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
-    os.replace(out, old)
+    try:
+        os.replace(out, old)
+    except OSError:
+        old.rmdir()
+        raise
     os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _same_preparation(out: Path, source, requested: dict[str, list[str]]) -> str | None:
+    """None if the prepare output `out` was made from this FASTA (size, then sha256) with these
+    splits (names as requested, or as the file spells them); else what differs."""
+    manifest = manifest_io.read(out)
+    was = manifest.get("source", {})
+    if was.get("size_bytes") != source.size:
+        return f"another FASTA ({was.get('filename')!r}, {was.get('size_bytes')} bytes; --fasta has {source.size})"
+    hasher = _Hasher(source.path)
+    hasher.start()
+    if was.get("sha256") != hasher.hexdigest():
+        return f"another FASTA of the same size ({was.get('filename')!r}: its sha256 differs)"
+    used = {a["requested"]: a["used"] for a in manifest.get("aliases", [])}
+    asked = {split: sorted(used.get(n, n) for n in names) for split, names in requested.items()}
+    have = {split: sorted(names) for split, names in manifest["splits"].items()}
+    if asked != have:
+        return f"other splits ({have}; asked for {asked})"
+    return None
 
 
 def _write_error(out: Path, err: OSError) -> GenolongError:
@@ -266,13 +298,29 @@ def prepare(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = _stderr,
+    reuse: bool = False,
 ) -> Path:
-    """Prepares `fasta` into the directory `out`; returns `out`. See docs/data.md for the format."""
+    """Prepares `fasta` into the directory `out`; returns `out`. See docs/data.md for the format.
+    `reuse`: an existing output made from the same FASTA (by checksum) with the same splits is
+    kept as it is; one made otherwise is an error (or replaced, with `overwrite`)."""
     out = Path(out)
+    if out.is_symlink():
+        # A link to an output directory: the output replaced is the one it points to, and the
+        # link keeps pointing at it (replacing the link itself would swap a directory for it).
+        out = out.resolve()
     requested = {"train": parse_names(train, "train"), "holdout": parse_names(holdout, "holdout")}
     if validation is not None:
         requested["validation"] = parse_names(validation, "validation")
     check_requested(requested)
+    if reuse and (out / manifest_io.FILENAME).is_file():
+        differs = _same_preparation(out, sniff(fasta), requested)
+        if differs is None:
+            log(f"{out}: already prepared from {Path(fasta).name} with these splits, reused")
+            return out
+        if not overwrite:
+            raise GenolongError(
+                f"output {str(out)!r} was prepared from {differs}: add --overwrite to replace it, or choose another --out"
+            )
     _check_out(out, overwrite)
     source = sniff(fasta)
     index = FastaIndex.load(source)

@@ -141,6 +141,12 @@ def default_baseline(checkpoint: str) -> Resolved:
     except (OSError, ValueError):
         options = {}
     start = options.get("model_path")
+    if start and not Path(start).is_absolute() and not Path(start).exists():
+        # Runs of older versions kept the path as typed, relative to where finetune ran.
+        raise GenolongError(
+            f"--baseline is needed: run {run} started from the model {start!r} (its options.json model_path, relative to "
+            "the directory finetune ran in), which is not found from here; pass that model with --baseline"
+        )
     if start:
         return resolve(str(start), "--baseline")
     raise GenolongError(
@@ -182,11 +188,12 @@ def _spec(source: str, label: str, model_dir: Path, state: dict | None, flag: st
 
 
 def _token_map(state: dict | None, model_dir: Path, vocab_size: int, flag: str, source: str) -> list[int]:
-    """What training fed the model: the run's recorded map, else identity (DNA vocabulary) or tokenizer.json."""
+    """What training fed the model: the run's recorded map, else the checkpoint's tokenizer.json,
+    else (a DNA-vocabulary model without one) genolong's own ids."""
     ids = (state or {}).get("dna_token_ids")
     if ids is not None:
         return [int(i) for i in ids]
-    if vocab_size <= DNA_MODEL_VOCAB_SIZE:
+    if vocab_size <= DNA_MODEL_VOCAB_SIZE and not (model_dir / "tokenizer.json").is_file():
         return list(range(len(DNA_BASES)))
     from genolong.model.vocab import checkpoint_base_ids
 

@@ -175,7 +175,11 @@ def evaluate(
         "seed": settings.seed,
         "dtype": settings.dtype,
         "data": data_identity or {},
-        "models": {role: {"architecture": s.architecture, "token_map": s.token_map, **s.identity} for role, s in specs.items()},
+        # Models by their weights' fingerprint, never by a path: a moved or copied run resumes.
+        "models": {
+            role: {"architecture": s.architecture, "token_map": s.token_map, "fingerprint": s.identity.get("fingerprint")}
+            for role, s in specs.items()
+        },
     }
     partial = PartialResults(settings.out_dir, fingerprint, overwrite=settings.overwrite)
     ops.reset_audit()

@@ -253,7 +253,12 @@ def load_weights(model: torch.nn.Module, path: str | Path, raw_config: dict) -> 
                 where = Placement("lm_head.weight") if kind == "lm_head" else placement(rel)
                 param = params.get(where.target)
                 if param is None:
-                    unexpected.append(key)
+                    if 0 in f.get_slice(key).get_shape():
+                        # A zero-width module (transformers' shared expert at n_shared_experts = 0),
+                        # which genolong does not build: nothing to load.
+                        report.skipped["empty tensors"] += 1
+                    else:
+                        unexpected.append(key)
                     continue
                 try:
                     view = _part_view(param, where.part)
@@ -330,7 +335,9 @@ def from_pretrained(
 
     Vision and MTP weights are skipped, FP8 weights dequantized; missing or unexpected text
     tensors and shape mismatches raise GenolongError. The source config.json is kept on the
-    model (`hf_source_config`) so that save_pretrained preserves its non-architecture fields.
+    model (`hf_source_config`) so that save_pretrained preserves its non-architecture fields, and
+    so is its tokenizer.json (`hf_source_tokenizer`): the base-to-id mapping the weights were
+    trained with, which a save must carry on rather than replace.
     """
     path = Path(path)
     raw = read_config(path)
@@ -339,6 +346,8 @@ def from_pretrained(
     report = load_weights(model, path, raw)
     log.info(report.summary(path))
     model.hf_source_config = raw
+    tokenizer = path / "tokenizer.json"
+    model.hf_source_tokenizer = tokenizer.read_text(encoding="utf-8") if tokenizer.is_file() else None
     model.eval()
     return model
 
@@ -411,8 +420,12 @@ def save_pretrained(
         if len(shards) > 1:
             body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
-        if model.config.vocab_size == DNA_MODEL_VOCAB_SIZE:
-            # A DNA-vocabulary model (never a GLM checkpoint) carries its own base-to-id mapping.
+        source_tokenizer = getattr(model, "hf_source_tokenizer", None)
+        if source_tokenizer is not None:
+            # Loaded from a checkpoint with its own tokenizer: its mapping stays with the weights.
+            (tmp / "tokenizer.json").write_text(source_tokenizer, encoding="utf-8")
+        elif model.config.vocab_size == DNA_MODEL_VOCAB_SIZE:
+            # A DNA-vocabulary model carries its own base-to-id mapping.
             (tmp / "tokenizer.json").write_text(json.dumps(dna_tokenizer()) + "\n", encoding="utf-8")
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))

@@ -115,7 +115,7 @@ MULTIMODAL_TOP_LEVEL = frozenset(
         "video_start_token_id", "video_end_token_id", "vision_config",
     }
 )
-MAPPED = frozenset(HF_DEFAULTS) - frozenset(FIXED) | {"layer_types", "mlp_layer_types", "indexer_types"}
+MAPPED = frozenset(HF_DEFAULTS) - frozenset(FIXED) | {"layer_types", "mlp_layer_types", "indexer_types", "num_local_experts"}
 
 
 def text_fields(raw: dict) -> dict:
@@ -178,9 +178,16 @@ def from_hf(raw: dict, name: str = "checkpoint") -> ModelConfig:
         return HF_DEFAULTS[key] if value is None and key in HF_DEFAULTS else value
 
     for key, want in FIXED.items():
-        value = t.get(key)
+        # The composite model (a text_config inside) ties its lm_head by the top-level flag, as
+        # transformers' Glm5NextForConditionalGeneration does; text_config's own flag is unused.
+        value = raw.get(key) if key == "tie_word_embeddings" and raw.get("text_config") is not None else t.get(key)
         if value is not None and value != want:
             _refuse(key, value, f"only {want!r}")
+    if t.get("num_local_experts") is not None:
+        # transformers' alias (attribute_map) of n_routed_experts.
+        if t.get("n_routed_experts") is not None and t["n_routed_experts"] != t["num_local_experts"]:
+            _refuse("num_local_experts", t["num_local_experts"], f"the same as n_routed_experts = {t['n_routed_experts']} (its alias)")
+        t = {**t, "n_routed_experts": t["num_local_experts"]}
     heads = get("num_attention_heads")
     kv_heads = t.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
@@ -194,7 +201,9 @@ def from_hf(raw: dict, name: str = "checkpoint") -> ModelConfig:
     # Kimi-Linear-style nested KDA fields, as transformers accepts them.
     lin = dict(t.get("linear_attn_config") or {})
     lower = lin.get("gate_lower_bound", t.get("linear_lower_bound", HF_DEFAULTS["linear_lower_bound"]))
-    if lower is None and lin.get("safe_gate", False):
+    # transformers: with a linear_attn_config (even an empty one), safe_gate defaults to true and a
+    # missing lower bound becomes -5.0; without one, linear_lower_bound = null means unbounded.
+    if lower is None and t.get("linear_attn_config") is not None and lin.get("safe_gate", True):
         lower = -5.0
     kda = KDAConfig(
         num_heads=int(lin.get("num_heads", get("linear_num_heads"))),

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from genolong.errors import GenolongError
+
 POLICIES = ("reference", "fused", "auto")
 REFERENCE = "reference"
 
@@ -51,8 +53,9 @@ class KernelUnsupported(Exception):
     """Raised by a fused implementation that cannot run these inputs (the reason says why)."""
 
 
-class KernelFallbackError(RuntimeError):
-    """Under the "fused" policy, a layer would have run a reference path."""
+class KernelFallbackError(GenolongError, RuntimeError):
+    """Under the "fused" policy, a layer would have run a reference path. A GenolongError: the user
+    picks the policy, so the CLI reports it in one line (with the flag that changes it)."""
 
 
 def _check(name: str) -> str:
@@ -130,7 +133,8 @@ class KernelPolicy:
                 detail = "; ".join(reasons) if reasons else "no fused implementation is registered (genolong.kernels not loaded?)"
                 raise KernelFallbackError(
                     f"layer {layer_idx}: op {op!r} would fall back to the PyTorch reference ({detail}); "
-                    "fix the kernel or run with the 'reference' / 'auto' kernel policy explicitly"
+                    "install the GPU kernels (the gpu extra) or choose the policy explicitly: --kernels auto (fall back, "
+                    "audited) or --kernels reference"
                 )
         self.audit[(layer_idx, op)] = REFERENCE
         return run(REFERENCE, impls[REFERENCE])

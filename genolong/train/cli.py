@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -190,7 +191,8 @@ def finetune(
             out=out,
             seq_len=parse_length(seq, "--seq"),
             preset=None if model else preset,
-            model_path=model,
+            # Absolute: eval-positional reads it back as the run's default baseline from any directory.
+            model_path=str(Path(model).resolve()) if model else None,
             steps=steps,
             lr=lr,
             warmup=warmup,

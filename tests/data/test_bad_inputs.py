@@ -46,6 +46,12 @@ def _html(tmp_path):
     return p, ["HTML"]
 
 
+def _byte_order_mark(tmp_path):
+    p = tmp_path / "notepad.fa"
+    p.write_bytes(b"\xef\xbb\xbf>chr1\nACGT\n>chr2\nACGT\n>chr22\nACGT\n")
+    return p, ["byte-order mark", "before its first '>'"]
+
+
 def _truncated_gzip(tmp_path):
     full = write_fasta(
         tmp_path / "full.fa.gz", [("chr1", 200_000), ("chr2", 1000), ("chr22", 1000)], compression="gzip"
@@ -83,7 +89,7 @@ def _no_name(tmp_path):
     return p, ["no record name"]
 
 
-CASES = [_missing, _empty, _blank, _binary, _fastq, _html, _truncated_gzip, _bzip2, _duplicate, _non_bases,
+CASES = [_missing, _empty, _blank, _binary, _fastq, _html, _byte_order_mark, _truncated_gzip, _bzip2, _duplicate, _non_bases,
          _mid_line_header, _no_name]  # fmt: skip
 
 

@@ -152,6 +152,30 @@ def test_existing_output_needs_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.fa", "out"]
 
 
+def test_reuse_keeps_the_same_preparation_and_refuses_another(tmp_path):
+    fasta = write_text_fasta(tmp_path / "g.fa", [("chr1", "ACGT" * 10), ("chr2", "GGCC"), ("chr22", "TTAA")])
+    out = prepare(fasta, tmp_path / "out", train="chr1,chr2", holdout="22", progress=False, log=lambda m: None)
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    said = []
+    # The same FASTA and splits (chr22 asked for as "22" again, or by its own name): kept untouched.
+    assert prepare(fasta, out, train="chr2,chr1", holdout="chr22", reuse=True, progress=False, log=said.append) == out
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp and "reused" in said[-1]
+    with pytest.raises(GenolongError, match="was prepared from other splits.*--overwrite"):
+        prepare(fasta, out, train="chr1", holdout="chr22", reuse=True, progress=False, log=lambda m: None)
+    other = write_text_fasta(tmp_path / "h.fa", [("chr1", "TTTT" * 10), ("chr2", "GGCC"), ("chr22", "TTAA")])  # same size
+    with pytest.raises(GenolongError, match="another FASTA of the same size"):
+        prepare(other, out, train="chr1,chr2", holdout="chr22", reuse=True, progress=False, log=lambda m: None)
+    bigger = write_text_fasta(tmp_path / "i.fa", [("chr1", "ACGT" * 20), ("chr2", "GGCC"), ("chr22", "TTAA")])
+    with pytest.raises(GenolongError, match="another FASTA .*'g.fa'"):
+        prepare(bigger, out, train="chr1,chr2", holdout="chr22", reuse=True, progress=False, log=lambda m: None)
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    prepare(bigger, out, train="chr1,chr2", holdout="chr22", reuse=True, overwrite=True, progress=False, log=lambda m: None)
+    assert open_prepared(out).records("train")[0] == ("chr1", 80)
+    # Nothing at --out yet: --reuse prepares it.
+    prepare(fasta, tmp_path / "new", reuse=True, progress=False, log=lambda m: None)
+    assert open_prepared(tmp_path / "new").records("train")[0] == ("chr1", 40)
+
+
 def test_overwrite_refuses_a_directory_it_did_not_write(tmp_path):
     fasta = write_text_fasta(tmp_path / "g.fa", [("chr1", "ACGT"), ("chr2", "GGCC"), ("chr22", "TTAA")])
     precious = tmp_path / "home"
@@ -160,6 +184,32 @@ def test_overwrite_refuses_a_directory_it_did_not_write(tmp_path):
     with pytest.raises(GenolongError, match="not a genolong prepare output"):
         prepare(fasta, precious, overwrite=True, progress=False, log=lambda m: None)
     assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.mark.parametrize("marker", ["manifest.json", "dataset_dict.json"])
+def test_overwrite_refuses_another_programs_manifest_or_dataset(tmp_path, marker):
+    # A file named like ours (another tool's manifest.json, a Hugging Face save_to_disk directory's
+    # dataset_dict.json) does not make a directory a genolong output.
+    fasta = write_text_fasta(tmp_path / "g.fa", [("chr1", "ACGT"), ("chr2", "GGCC"), ("chr22", "TTAA")])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / marker).write_text('{"app": 1, "splits": ["train"]}')
+    (other / "important.txt").write_text("keep me")
+    with pytest.raises(GenolongError, match="not a genolong prepare output"):
+        prepare(fasta, other, overwrite=True, progress=False, log=lambda m: None)
+    assert (other / "important.txt").read_text() == "keep me"
+
+
+def test_overwrite_through_a_symlink_replaces_the_output_it_points_to(tmp_path):
+    fasta = write_text_fasta(tmp_path / "g.fa", [("chr1", "ACGT" * 10), ("chr2", "GGCC"), ("chr22", "TTAA")])
+    real = prepare(fasta, tmp_path / "real", progress=False, log=lambda m: None)
+    link = tmp_path / "link"
+    link.symlink_to("real")
+    write_text_fasta(fasta, [("chr1", "TTTT"), ("chr2", "GGCC"), ("chr22", "TTAA")])
+    prepare(fasta, link, overwrite=True, progress=False, log=lambda m: None)
+    assert link.is_symlink() and open_prepared(link).records("train")[0] == ("chr1", 4)
+    assert open_prepared(real).records("train")[0] == ("chr1", 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.fa", "link", "real"]
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,21 @@ def test_every_way_of_naming_a_checkpoint(world):
     assert models.default_baseline(str(run)).spec.label == "run step 0"
 
 
+def test_a_dna_vocabulary_checkpoint_is_scored_through_its_own_tokenizer(tmp_path):
+    # A checkpoint from outside genolong with the 8-token DNA vocabulary but another base order:
+    # its tokenizer.json decides which rows are A, C, G, T, N (as finetune --model reads it).
+    from genolong.eval import models
+    from genolong.model.vocab import dna_to_checkpoint_ids
+
+    model = GenoLongForCausalLM(get_preset("tiny"))
+    save_pretrained(model, tmp_path / "m")
+    assert models.resolve(str(tmp_path / "m"), "--baseline").spec.token_map == [0, 1, 2, 3, 4]
+    vocab = {"T": 0, "G": 1, "C": 2, "A": 3, "N": 4}
+    (tmp_path / "m" / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordLevel", "vocab": vocab}}))
+    spec = models.resolve(str(tmp_path / "m"), "--baseline").spec
+    assert spec.token_map == [3, 2, 1, 0, 4] == dna_to_checkpoint_ids(tmp_path / "m").tolist()
+
+
 def test_default_baseline_without_step_0(world, tmp_path):
     from genolong.errors import GenolongError
     from genolong.eval import models
@@ -241,6 +256,10 @@ def test_default_baseline_without_step_0(world, tmp_path):
     ckpt_io.save(run, 5, lambda p: save_pretrained(model, p), {}, {"step": 5, "dna_token_ids": None}, keep_last=1)
     (run / ckpt_io.OPTIONS_FILE).write_text(json.dumps({"preset": None, "model_path": str(world["base"])}))
     assert models.default_baseline(str(run)).model_dir == world["base"]  # the model the run started from
+    # An older run's path as typed, relative to a directory we are not in: a one-line error naming it.
+    (run / ckpt_io.OPTIONS_FILE).write_text(json.dumps({"preset": None, "model_path": "runs/a/checkpoints/step_00000002/model"}))
+    with pytest.raises(GenolongError, match="started from the model 'runs/a/.*options.json model_path.*pass that model with --baseline"):
+        models.default_baseline(str(run))
     (run / ckpt_io.OPTIONS_FILE).write_text(json.dumps({"preset": "tiny", "model_path": None}))
     with pytest.raises(GenolongError, match="--baseline is needed: run .* started from preset 'tiny'"):
         models.default_baseline(str(run))

@@ -196,6 +196,32 @@ def test_resume_scores_only_the_missing_windows(tmp_path):
         evaluate(other, {"m": spec("m")}, lambda: iter(windows), flaky, echo=lambda _: None)
 
 
+def test_resume_follows_the_models_content_not_its_path(tmp_path):
+    # A run directory moved or copied between the interruption and the resume still resumes (the
+    # fingerprint is the same); other weights under the same path are refused.
+    import dataclasses
+
+    windows = make_windows(3, SEQ, seed=4, n_run=False)
+    layout = RecallLayout(seq=SEQ, length=LEN, distances=DISTANCES, skip=SKIP)
+    settings = RecallSettings(layout, tmp_path / "e", n_boot=200, progress=False)
+    first = dataclasses.replace(spec("m"), identity={"model_dir": "/runs/a/model", "fingerprint": "f1"})
+    evaluate(settings, {"m": first}, lambda: iter(windows[:2]), lambda role: scorer(BigramLM()), echo=lambda _: None)
+    moved = dataclasses.replace(first, identity={"model_dir": "/elsewhere/moved/model", "fingerprint": "f1"})
+    calls = {"n": 0}
+
+    def counting(role):
+        s = scorer(BigramLM())
+        losses = s.losses
+        s.losses = lambda ids: (calls.__setitem__("n", calls["n"] + 1), losses(ids))[1]
+        return s
+
+    evaluate(settings, {"m": moved}, lambda: iter(windows), counting, echo=lambda _: None)
+    assert calls["n"] == 2  # only the third window, two passes
+    changed = dataclasses.replace(first, identity={"model_dir": "/runs/a/model", "fingerprint": "f2"})
+    with pytest.raises(GenolongError, match="different evaluation"):
+        evaluate(settings, {"m": changed}, lambda: iter(windows), counting, echo=lambda _: None)
+
+
 def _fasta(path, rng):
     seq = "".join(rng.choice(list("ACGTacgt"), 3000))
     seq = seq[:1200] + "N" * 100 + seq[1300:]

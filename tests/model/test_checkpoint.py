@@ -244,7 +244,6 @@ def test_missing_weights_file(reference, tmp_path):
         (lambda t: t["layer_types"].__setitem__(2, "sliding_attention"), "layer_types\\[2\\] = 'sliding_attention'"),
         (lambda t: t["mlp_layer_types"].__setitem__(5, "mixture"), "mlp_layer_types\\[5\\] = 'mixture'"),
         (lambda t: t.update(hidden_act="gelu"), "hidden_act = 'gelu'"),
-        (lambda t: t.update(tie_word_embeddings=True), "tie_word_embeddings = True"),
         (lambda t: t.update(num_key_value_heads=1), "num_key_value_heads = 1"),
         (lambda t: t.update(model_type="llama"), "model_type = 'llama'"),
     ],
@@ -254,6 +253,81 @@ def test_unrepresentable_config_names_the_field(reference, tmp_path, edit, messa
     bad = _rewrite(directory, tmp_path / "c", config=lambda raw: edit(raw["text_config"]))
     with pytest.raises(GenolongError, match=message):
         from_pretrained(bad)
+
+
+def test_tied_embeddings_are_read_where_transformers_reads_them(reference, tmp_path):
+    # The composite model ties lm_head by the top-level flag; text_config's own flag is not used.
+    _, directory = reference
+    tied = _rewrite(directory, tmp_path / "tied", config=lambda raw: raw.update(tie_word_embeddings=True))
+    with pytest.raises(GenolongError, match="tie_word_embeddings = True cannot be represented"):
+        from_pretrained(tied)
+    inner = _rewrite(directory, tmp_path / "inner", config=lambda raw: raw["text_config"].update(tie_word_embeddings=True))
+    theirs = Glm5NextForConditionalGeneration.from_pretrained(inner)
+    assert theirs.lm_head.weight is not theirs.model.language_model.embed_tokens.weight
+    from_pretrained(inner, dtype=torch.float32)  # loads: transformers does not tie this one either
+    flat = {"model_type": "glm5_next_text", **TEXT, "tie_word_embeddings": True}  # a text-only config's own flag counts
+    with pytest.raises(GenolongError, match="tie_word_embeddings = True"):
+        hf_config.from_hf(flat)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"linear_attn_config": {"num_heads": 2, "head_dim": 8, "gate_lower_bound": None}},
+        {"linear_attn_config": {"num_heads": 2, "head_dim": 8}, "linear_lower_bound": None},
+        {"linear_attn_config": {}, "linear_lower_bound": None},
+        {"linear_attn_config": {"safe_gate": False, "gate_lower_bound": None}},
+        {"linear_attn_config": {"gate_lower_bound": -12.0}},
+        {"linear_lower_bound": None},
+        {"linear_lower_bound": -3.0},
+        {},
+    ],
+)
+def test_kda_gate_bound_is_what_transformers_builds(fields):
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+    text = dict(TEXT, **fields)
+    want = Glm5NextTextConfig(**text).linear_lower_bound
+    assert hf_config.from_hf({"model_type": "glm5_next_text", **text}).kda.lower_bound == want
+
+
+def test_num_local_experts_is_read_as_n_routed_experts(reference, tmp_path, input_ids, reference_logits):
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+    _, directory = reference
+
+    def rename(raw):
+        raw["text_config"]["num_local_experts"] = raw["text_config"].pop("n_routed_experts")
+
+    renamed = _rewrite(directory, tmp_path / "c", config=rename)
+    model = from_pretrained(renamed, dtype=torch.float32)
+    assert model.config.moe.num_experts == TEXT["n_routed_experts"] == Glm5NextTextConfig(num_local_experts=4).n_routed_experts
+    with torch.no_grad():
+        assert torch.allclose(_logprobs(model(input_ids).logits), _logprobs(reference_logits), atol=1e-4)
+    both = dict(TEXT, num_local_experts=8)
+    with pytest.raises(GenolongError, match="num_local_experts = 8 .*n_routed_experts = 4"):
+        hf_config.from_hf({"model_type": "glm5_next_text", **both})
+
+
+def test_zero_shared_experts_checkpoint_loads_with_matching_logits(tmp_path, input_ids):
+    # transformers builds (and saves) a zero-width shared expert; genolong builds none.
+    torch.manual_seed(2)
+    theirs = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=dict(TEXT, n_shared_experts=0), vision_config=VISION)).eval()
+    theirs.save_pretrained(tmp_path / "z")
+    ours = from_pretrained(tmp_path / "z", dtype=torch.float32)
+    assert ours.config.moe.num_shared_experts == 0
+    with torch.no_grad():
+        assert torch.allclose(_logprobs(ours(input_ids).logits), _logprobs(theirs(input_ids=input_ids).logits), atol=1e-4)
+
+
+def test_a_loaded_tokenizer_is_saved_with_the_weights(reference, tmp_path):
+    # The base-to-id mapping the weights were trained with travels with them through genolong.
+    _, directory = reference
+    src = _rewrite(directory, tmp_path / "src")
+    tokenizer = {"model": {"type": "WordLevel", "vocab": {"T": 0, "G": 1, "C": 2, "A": 3, "N": 4}}}
+    (src / "tokenizer.json").write_text(json.dumps(tokenizer))
+    save_pretrained(from_pretrained(src, dtype=torch.float32), tmp_path / "out")
+    assert dna_to_checkpoint_ids(tmp_path / "out").tolist() == [3, 2, 1, 0, 4]
 
 
 def test_missing_tensor_is_named(reference, tmp_path):

@@ -79,6 +79,9 @@ def test_balance_and_repeat_flags_reach_the_options(data, tmp_path):
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--balance-rate", "-1"], "--balance-rate and --aux-loss-coeff must be >= 0"),
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--keep-sparse", "gpu"], "--keep-sparse must be one of auto, host, device, off"),
         (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--keep-moe", "--no-moe-chunking"], "--keep-moe keeps the MoE output"),
+        # The fused policy on a CPU: the first op without a kernel stops the run in one line naming the flag.
+        (["--data", "{data}", "--out", "{tmp}/r", "--seq", "64", "--steps", "1", "--kernels", "fused", "--preset", "tiny"],
+         "would fall back to the PyTorch reference"),
     ],
 )
 def test_bad_input_is_one_line(data, tmp_path, args, message):
