@@ -257,7 +257,26 @@ class FastaIndex:
         """The raw bytes (with line breaks) of one record, read from its offset."""
         return self._range(record.offset, record.end, record.name, block)
 
-    def _range(self, begin: int, end: int, name: str, block: int | None = None) -> Iterator[bytes]:
+    def unlisted_record(self) -> str | None:
+        """Where the file holds a '>' record the index does not list (samtools keeps only the first of
+        two records with one name), as "before <name>" / "after <name>"; None when it lists them all.
+        Only the bytes between indexed records are read: a header line each, normally."""
+        ordered = sorted(self.records, key=lambda r: r.offset)
+        for rec in ordered:
+            headers, last = 0, b"\n"
+            for data in self._range(rec.header_start, rec.offset, rec.name, 1 << 16):
+                headers += (last + data).count(b"\n>")
+                last = data[-1:]
+                if headers > 1:
+                    return f"before {rec.name!r}"
+        if ordered:
+            after = ordered[-1]
+            for data in self._range(after.end, after.end + (1 << 16), after.name, must_end=False):
+                if b">" in data:
+                    return f"after {after.name!r}"
+        return None
+
+    def _range(self, begin: int, end: int, name: str, block: int | None = None, must_end: bool = True) -> Iterator[bytes]:
         block = block or BLOCK
         raw_offset, skip = begin, 0
         if self._gzi is not None:
@@ -268,6 +287,8 @@ class FastaIndex:
             remaining = skip + end - begin
             while remaining > 0:
                 data = read_checked(stream, min(remaining, block), self.source)
+                if not data and not must_end:
+                    return
                 if not data:
                     raise GenolongError(
                         f"{str(self.source.path)!r} ends inside record {name!r} that its .fai index describes: "

@@ -131,6 +131,12 @@ def _read_indexed(index: FastaIndex, requested, recorder: _Recorder, progress: P
     """Names and lengths from the index up front (missing records fail before any reading)."""
     available = [r.name for r in index.records]
     _refuse_duplicates(available, index.source)
+    unlisted = index.unlisted_record()
+    if unlisted is not None:
+        raise GenolongError(
+            f"{index.source.path.name} has a record {unlisted} that {index.source.path.name}.fai does not list (a second record "
+            f"of one name, which samtools indexes once?): delete the .fai (and .gzi) and re-run, and prepare reads the file itself"
+        )
     splits, renamed = resolve(requested, available, repr(str(index.source.path)))
     chosen = {name for names in splits.values() for name in names}
     wanted = [r for r in index.records if r.name in chosen]

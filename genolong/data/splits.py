@@ -80,6 +80,12 @@ def resolve(
         shown = ", ".join(available[:_SHOWN]) + (
             f", ... ({len(available) - _SHOWN} more)" if len(available) > _SHOWN else ""
         )
+        if len(available) == 1:
+            # Splits are whole records: one record cannot be both trained on and held out.
+            raise GenolongError(
+                f"record(s) {', '.join(missing)} not in {source}, which has one record ({available[0]}); splits are whole "
+                "records, so a genome needs at least two: add a record to hold out (e.g. another chromosome) to the FASTA"
+            )
         raise GenolongError(
             f"record(s) {', '.join(missing)} not in {source}, which has: {shown or 'no records'}; "
             f"choose splits from these names with --train/--holdout/--validation"

@@ -113,6 +113,34 @@ def test_missing_record_lists_what_exists(tmp_path):
     _assert_no_output(tmp_path)
 
 
+def test_a_genome_of_one_record_is_told_it_cannot_be_split(tmp_path):
+    fasta = write_text_fasta(tmp_path / "g.fa", [("chrX", "ACGT" * 10)])
+    result = run_cli("prepare", "--fasta", str(fasta), "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, "one record (chrX)", "at least two")
+    _assert_no_output(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["middle", "last"])
+def test_an_index_that_skips_a_duplicated_record_is_refused(tmp_path, where):
+    # samtools faidx keeps the first of two records with one name: the .fai then lists fewer
+    # records than the file has, and reading through it would drop one silently.
+    body = {"middle": ">chr1\nACGT\n>chr1\nGGGG\n>chr2\nACGT\n>chr22\nACGT\n",
+            "last": ">chr1\nACGT\n>chr2\nACGT\n>chr22\nACGT\n>chr22\nGGGG\n"}[where]
+    fasta = tmp_path / "g.fa"
+    fasta.write_text(body)
+    listed = []
+    for name in ("chr1", "chr2", "chr22"):
+        offset = body.index(f">{name}\n") + len(name) + 2
+        listed.append(f"{name}\t4\t{offset}\t4\t5\n")
+    (tmp_path / "g.fa.fai").write_text("".join(listed))
+    result = run_cli("prepare", "--fasta", str(fasta), "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, "does not list", "delete the .fai")
+    _assert_no_output(tmp_path)
+    (tmp_path / "g.fa.fai").unlink()
+    result = run_cli("prepare", "--fasta", str(fasta), "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, "appears more than once")
+
+
 def test_missing_record_fails_before_reading_when_indexed(tmp_path):
     import pyfaidx
 
