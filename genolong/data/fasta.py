@@ -264,7 +264,7 @@ class FastaIndex:
         ordered = sorted(self.records, key=lambda r: r.offset)
         for rec in ordered:
             headers, last = 0, b"\n"
-            for data in self._range(rec.header_start, rec.offset, rec.name, 1 << 16):
+            for data in self._range(rec.header_start, rec.offset, rec.name, 1 << 16, must_end=False):
                 headers += (last + data).count(b"\n>")
                 last = data[-1:]
                 if headers > 1:
