@@ -8,7 +8,8 @@ Writes <out>/kernels.txt (CUDA kernels by total time), <out>/categories.json (ti
 work: the kernel-name patterns below), <out>/gaps.json (the compute stream's idle gaps and their
 causes: trace_gaps.py; "busy" in kernels.txt sums every stream, the offload copies included),
 with --sync-census <out>/sync_census.json (one more step's host syncs by call site: sync_census.py),
-and prints them. The MFU target is judged against this.
+with --sites-seq <out>/sites.json (one more, shorter step's kernels by the genolong line or backward
+node that launched them: op_sites.py), and prints them. The MFU target is judged against this.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_memory_ablation import HOST_RAM_GIB, Bench  # noqa: E402
+from op_sites import profile_sites, report as report_sites  # noqa: E402
 from sync_census import census, report as census_report  # noqa: E402
 from trace_gaps import analyse, report  # noqa: E402
 
@@ -70,6 +72,9 @@ def main() -> None:
     ap.add_argument("--sync-census", action="store_true",
                     help="one more step with torch's sync debug mode: every host sync by call site (sync_census.json)")
     ap.add_argument("--keep-moe", action="store_true", help="keep the MoE outputs for the recompute (MemoryOptions.keep_moe)")
+    ap.add_argument("--sites-seq", default=None,
+                    help="one more step of this length profiled with Python stacks: each kernel by the genolong line "
+                         "(or backward node) that launched it (op_sites.py; <out>/sites.json), e.g. 32k")
     ap.add_argument("--out", type=Path, default=Path("runs/profile"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -118,6 +123,12 @@ def main() -> None:
     print("\n".join(lines[:45]))
     print(json.dumps(summary["categories_ms"], indent=1))
     print(report(gaps))
+    if args.sites_seq:
+        # A shorter step: the same operators and call sites, a trace small enough to read with stacks.
+        short = parse_length(args.sites_seq)
+        rows = profile_sites(lambda: bench.step(bench.window(short, 9)), args.out)
+        print(f"\nkernels by launch site, one {args.sites_seq} step (sites.json):")
+        print(report_sites(rows))
     if args.sync_census and torch.cuda.is_available():
         syncs = census(lambda: bench.step(bench.window(seq, 8)))
         (args.out / "sync_census.json").write_text(json.dumps(syncs, indent=1) + "\n")
