@@ -210,8 +210,16 @@ def recovery_hint(run_dir: str | Path) -> str:
 
 
 def refuse_occupied(out: str | Path) -> None:
-    """--out without --resume/--overwrite: an existing run is never written over silently."""
-    if not (Path(out) / OPTIONS_FILE).exists():
+    """--out without --resume/--overwrite: an existing run is never written over silently, and a
+    file or another program's directory is never written into."""
+    run = Path(out)
+    if run.exists() and not run.is_dir():
+        raise GenolongError(f"--out {out} is a file, not a directory; pick another --out")
+    if not (run / OPTIONS_FILE).exists():
+        if run.is_dir() and [p for p in run.iterdir() if p.name != LOCK_FILE]:
+            raise GenolongError(
+                f"--out {out} is a directory that holds other files and no genolong run; pick a new or empty --out"
+            )
         return
     if latest(out) is None:
         raise GenolongError(
@@ -293,9 +301,13 @@ def locked(run_dir: str | Path):
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
-    except BaseException:
-        # A run refused before it wrote anything (bad input, the memory pre-flight) leaves no directory.
-        if created and [p.name for p in run.iterdir()] == [LOCK_FILE]:
+    except BaseException as err:
+        # A run refused before it wrote anything (bad input, the memory pre-flight) leaves no directory;
+        # nor does one that this call created and an input error stopped before its first checkpoint
+        # (a kernel missing under --kernels fused, no usable window): the corrected command just runs.
+        # An interrupted run keeps its logs (its hint says --overwrite).
+        refused = isinstance(err, GenolongError) and not getattr(err, "keeps_run", False) and latest(run) is None
+        if created and (refused or [p.name for p in run.iterdir()] == [LOCK_FILE]):
             shutil.rmtree(run, ignore_errors=True)
         raise
     finally:

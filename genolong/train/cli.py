@@ -187,7 +187,7 @@ def finetune(
                 **memory_fields,
             )
         options = TrainOptions(
-            data=data,
+            data=str(Path(data).resolve()) if data else None,  # absolute: a resume from any directory finds it
             out=out,
             seq_len=parse_length(seq, "--seq"),
             preset=None if model else preset,

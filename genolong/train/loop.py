@@ -85,6 +85,8 @@ GIB = 1024**3
 class TrainingStopped(GenolongError):
     """The run stopped on purpose (too many non-finite steps); the message says why."""
 
+    keeps_run = True  # its logs show the divergence: never cleaned up with the refused inputs
+
 
 @dataclass
 class _Batch:
@@ -147,6 +149,14 @@ def _train_locked(options: TrainOptions) -> list[dict]:
         procs.close(finished)
 
 
+def _restart_hint(run_dir: Path) -> str:
+    """Where a new run after a divergence starts from (--resume keeps the run's own --lr)."""
+    last = ckpt_io.latest(run_dir)
+    if last is None:
+        return " (no checkpoint was saved: the same command plus --overwrite and a lower --lr)"
+    return f" from its last good checkpoint: --model {last / ckpt_io.MODEL_DIR} --out <a new run>"
+
+
 def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     device = procs.device
     dtype = resolve_dtype(options, device)
@@ -195,6 +205,13 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
         if start >= options.steps:
             _notice(f"{run_dir} has finished all {options.steps} steps; nothing to do (give --steps N to train further)")
 
+    if procs.main and start == 0 and options.warmup >= options.steps - 1 and options.steps > 1:
+        # lr_at: the cosine needs two steps after the warmup to reach --lr and then base x min ratio.
+        _notice(
+            f"--warmup {options.warmup} with --steps {options.steps}: the run ends "
+            + ("inside the warmup, below --lr" if options.warmup >= options.steps else "at --lr, before any decay")
+            + f"; give --warmup {max(options.steps - 2, 0)}{' or less' if options.steps > 2 else ''} for a cosine decay to the end"
+        )
     batches = _batches(options, sampler, dna_map, device, start, procs)
     chunk = options.memory.loss_chunk_tokens or auto_chunk_tokens(model.config.vocab_size)
     flops = step_flops(
@@ -236,8 +253,8 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
             if nonfinite_run >= options.max_nonfinite:
                 raise TrainingStopped(
                     f"stopped at step {step + 1}: {nonfinite_run} consecutive steps had a non-finite loss or gradient "
-                    f"(last loss {record.loss}, grad norm {record.grad_norm}); lower --lr or check the data; the last "
-                    "good checkpoint is in the run directory"
+                    f"(last loss {record.loss}, grad norm {record.grad_norm}); check the data, or start a new run with a lower "
+                    f"--lr{_restart_hint(run_dir)}"
                 )
             done = step + 1
             if done == end or (options.save_every and done % options.save_every == 0):
@@ -443,10 +460,11 @@ def _record_resume_changes(run_dir: Path, options: TrainOptions, resume_from: Pa
     if "steps" in changed and at < options.steps:
         was = lr_at(at, options.lr, options.warmup, saved["steps"], options.min_lr_ratio)
         now = lr_at(at, options.lr, options.warmup, options.steps, options.min_lr_ratio)
-        _notice(
-            f"the learning-rate schedule is re-derived for {options.steps} steps (same warmup, cosine to the new last "
-            f"step): the rate at step {at + 1} is {now:.3g} instead of {was:.3g}"
-        )
+        if f"{now:.3g}" != f"{was:.3g}":  # inside the warmup the rate does not depend on --steps
+            _notice(
+                f"the learning-rate schedule is re-derived for {options.steps} steps (same warmup, cosine to the new last "
+                f"step): the rate at step {at + 1} is {now:.3g} instead of {was:.3g}"
+            )
     _write_options(run_dir, {**saved, **changed})
 
 

@@ -170,8 +170,9 @@ def clip_scale(grad_norm: float, max_norm: float) -> float:
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
     """Learning rate for 0-based `step`: linear warmup over `warmup` steps, then cosine to base*min_ratio.
 
-    The first step already uses base/warmup (not 0), so no step is wasted at lr 0; the last step
-    (total - 1) uses exactly base*min_ratio.
+    The first step already uses base/warmup (not 0), so no step is wasted at lr 0; when the warmup
+    leaves at least two steps (warmup <= total - 2) the last step (total - 1) uses exactly
+    base*min_ratio; a longer warmup ends the run inside it or at the peak (finetune says so).
     """
     if warmup > 0 and step < warmup:
         return base_lr * (step + 1) / warmup

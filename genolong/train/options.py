@@ -206,6 +206,12 @@ class TrainOptions:
                 f"--batch {self.batch} is not divisible by --grad-accum {self.grad_accum}: the step's sequences are "
                 "split into grad-accum equal micro-batches; pick a divisor"
             )
+        for flag, value in (("--lr", self.lr), ("--grad-clip", self.grad_clip), ("--weight-decay", self.weight_decay),
+                            ("--min-lr-ratio", self.min_lr_ratio)):
+            if not math.isfinite(value):
+                raise GenolongError(f"{flag} must be a finite number, got {value}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise GenolongError(f"--grad-clip and --weight-decay must be >= 0 (0 = off), got {self.grad_clip} and {self.weight_decay}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise GenolongError(f"--lr must be positive and min_lr_ratio in [0, 1], got {self.lr} and {self.min_lr_ratio}")
         if self.warmup < 0:

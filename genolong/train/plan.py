@@ -731,8 +731,15 @@ def shortfall(
     while seq >= 1024 and not trial(seq=seq).fits:
         seq //= 2
     if seq >= 1024:
-        found.append(f"a shorter sequence: --seq {format_length(seq)}")
-    elif device == "cpu":
+        # The longest that fits, to 1k: between the halving's last fit and the length twice it.
+        fits, short = seq // 1024 * 1024, min(2 * seq, seq_len)
+        while short - fits > 1024:
+            mid = (fits + short) // 2 // 1024 * 1024
+            if mid <= fits:
+                break
+            fits, short = (mid, short) if trial(seq=mid).fits else (fits, mid)
+        found.append(f"a shorter sequence: --seq {format_length(fits)}")
+    elif device == "cpu" and config.name != "tiny":
         found.append("a smaller model (--preset tiny)")  # the weights and optimizer state alone are too much
     return found
 

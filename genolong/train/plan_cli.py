@@ -100,6 +100,11 @@ def plan(
 
     if device not in ("cuda", "cpu"):
         raise GenolongError(f"--device must be cuda or cpu, got {device!r}")
+    for flag, value in (("--gpu-budget-gib", gpu_budget_gib), ("--host-budget-gib", host_budget_gib), ("--node-ram-gib", node_ram_gib)):
+        if value is not None and not value > 0:
+            raise GenolongError(f"{flag} must be a positive number of GiB, got {value}")
+    if top < 1:
+        raise GenolongError(f"--top must be at least 1, got {top}")
     layout = parse_layout(parallel) if parallel else None
     if device == "cpu" and (gpus not in (None, 1) or layout is not None or suggest):
         raise GenolongError("--device cpu plans one process; drop --gpus / --parallel / --suggest")
@@ -138,6 +143,8 @@ def plan(
     host_bytes = int(node_ram_gib * GIB) if node_ram_gib is not None else None
 
     seq_len = parse_length(seq, "--seq")
+    if seq_len < 2:
+        raise GenolongError(f"--seq must be at least 2 tokens (as finetune needs), got {seq_len}")
     memory_fields = {
         "offload_layers": offload_layers,
         "moe_chunk_tokens": parse_length(moe_chunk, "--moe-chunk"),

@@ -68,7 +68,8 @@ def resume_options(run_dir: str, values: dict[str, Any], given: set[str]) -> Tra
         if not matches:
             raise GenolongError(
                 f"{_flag(name, values[name])} differs from the run's own setting ({_saved(name, options)}): --resume continues "
-                f"{run_dir} with the options it was started with, and only {_changeable()} can change; drop {_flag(name)}, "
+                f"{run_dir} with the options it was started with, and only {_changeable()} can change; drop "
+                f"{_flag(name, values[name]) if isinstance(values[name], bool) else _flag(name)}, "
                 "or start a new run with it (a new --out, or --overwrite)"
             )
     for name in CHANGEABLE:

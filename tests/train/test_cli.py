@@ -91,6 +91,58 @@ def test_bad_input_is_one_line(data, tmp_path, args, message):
     assert message in str(result.exception) and "\n" not in str(result.exception)
 
 
+def test_a_run_started_with_a_relative_data_path_resumes_from_anywhere(data, tmp_path, monkeypatch):
+    monkeypatch.chdir(data.parent)
+    out = tmp_path / "run"
+    first = _run("--data", data.name, "--out", out, "--steps", 2, "--stop-after", 1, *TINY)
+    assert first.exit_code == 0, first.output
+    assert TrainOptions.from_dict(json.loads((out / "options.json").read_text())).data == str(data.resolve())
+    monkeypatch.chdir(tmp_path)
+    second = _run("--resume", out, "--no-progress")
+    assert second.exit_code == 0, second.output
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2
+
+
+def test_out_must_be_a_new_or_empty_directory_or_a_run(data, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("hi")
+    result = _run("--data", data, "--out", afile, "--steps", 1, *TINY)
+    assert isinstance(result.exception, GenolongError) and "is a file, not a directory" in str(result.exception)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = _run("--data", data, "--out", other, "--steps", 1, *TINY)
+    assert isinstance(result.exception, GenolongError) and "holds other files and no genolong run" in str(result.exception)
+    assert (other / "metrics.jsonl").read_text() == '{"step": 1}\n' and sorted(p.name for p in other.iterdir()) == ["metrics.jsonl"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _run("--data", data, "--out", empty, "--steps", 1, *TINY).exit_code == 0
+
+
+def test_an_input_found_bad_after_the_run_directory_was_made_leaves_none(data, tmp_path):
+    # --kernels fused on a CPU fails at the first op without a kernel, after options.json was written:
+    # the directory this call made goes, so the corrected command runs without --overwrite.
+    out = tmp_path / "r"
+    bad = _run("--data", data, "--out", out, "--steps", 1, *TINY, "--kernels", "fused")
+    assert isinstance(bad.exception, GenolongError) and "--kernels auto" in str(bad.exception)
+    assert not out.exists()
+    assert _run("--data", data, "--out", out, "--steps", 1, *TINY, "--kernels", "auto").exit_code == 0
+
+
+@pytest.mark.parametrize("flag,value", [("--lr", "nan"), ("--grad-clip", "nan"), ("--lr", "inf"), ("--grad-clip", "-1")])
+def test_non_finite_or_negative_rates_are_refused(data, tmp_path, flag, value):
+    result = _run("--data", data, "--out", tmp_path / "r", "--steps", 1, *TINY, flag, value)
+    assert isinstance(result.exception, GenolongError) and flag in str(result.exception), result.output
+
+
+def test_a_warmup_that_leaves_no_decay_is_pointed_out(data, tmp_path, capfd):
+    result = _run("--data", data, "--out", tmp_path / "r", "--steps", 2, *TINY[:-2], "--warmup", 10)
+    assert result.exit_code == 0, result.output
+    assert "--warmup 10 with --steps 2: the run ends inside the warmup, below --lr; give --warmup 0" in capfd.readouterr().err
+    lr = TrainOptions.from_dict(json.loads((tmp_path / "r" / "options.json").read_text())).lr
+    assert [line["lr"] for line in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == pytest.approx([lr / 10, 2 * lr / 10])
+
+
 def test_the_console_script_prints_one_line_and_exits_2(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "genolong", "finetune", "--data", str(tmp_path / "x"), "--out", str(tmp_path / "r")],

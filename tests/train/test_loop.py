@@ -115,7 +115,8 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(data, tmp_path, monkeypa
 
     monkeypatch.setattr(loop, "chunked_lm_loss", poisoned)
     options = tiny_options(data, tmp_path / "run", steps=10, seq_len=128, max_nonfinite=3)
-    with pytest.raises(loop.TrainingStopped, match="3 consecutive steps had a non-finite loss"):
+    with pytest.raises(loop.TrainingStopped, match="3 consecutive steps had a non-finite loss.*no checkpoint was saved: "
+                       "the same command plus --overwrite and a lower --lr"):
         loop.train(options)
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [line["skipped"] for line in lines] == [False, True, True, True]

@@ -292,8 +292,17 @@ def test_the_default_finetune_on_a_cpu_is_refused_at_once():
     # On 24 GiB no length fits glm53-mini's fp32 weights, gradients and moments with activations.
     with pytest.raises(GenolongError, match=r"glm53-mini at 512k tokens does not fit: CPU RAM short: .*more RAM.*a smaller model \(--preset tiny\)"):
         preflight_cpu(get_preset("glm53-mini"), 524288, MemoryOptions(), ram_bytes=24 * GIB)
-    with pytest.raises(GenolongError, match=r"CPU RAM short: .* a shorter sequence: --seq 16k"):
+    with pytest.raises(GenolongError, match=r"CPU RAM short: .* a shorter sequence: --seq \d+k") as err:
         preflight_cpu(get_preset("tiny"), 524288, MemoryOptions(), ram_bytes=4 * GIB)
+    # The longest length that fits, to 1k (not just a power-of-two fraction of the asked one); the
+    # tiny preset is not told to use the tiny preset.
+    import re
+
+    from genolong.train.plan import estimate_cpu_memory
+
+    told = int(re.search(r"--seq (\d+)k", str(err.value)).group(1)) * 1024
+    fits = lambda n: estimate_cpu_memory(get_preset("tiny"), n, MemoryOptions(), ram_bytes=4 * GIB).fits  # noqa: E731
+    assert fits(told) and not fits(told + 1024) and "--preset tiny" not in str(err.value)
 
 
 def test_host_only_shortfall_names_host_memory_and_asks_for_host_ram_first():
