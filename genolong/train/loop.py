@@ -220,7 +220,10 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
         recompute=options.memory.recompute,
         chunked_loss=options.memory.chunked_loss,
         # (with the MoE outputs kept the layer's recompute skips the MoE: the chunks' run is the recompute's)
-        moe_recompute=moe_chunks_checkpointed(options.batch * options.seq_len, options.memory) and not options.memory.keeps_moe(),
+        # (the MoE sees one micro-batch of this rank's sequences at a time, so that decides its chunking)
+        moe_recompute=moe_chunks_checkpointed(
+            options.batch // (procs.layout.data_parallel * options.grad_accum) * options.seq_len, options.memory
+        ) and not options.memory.keeps_moe(),
     ).scaled(options.batch)
     peak = peak_flops(torch.cuda.get_device_name(device) if device.startswith("cuda") else None)
     peak = peak * procs.world if peak else peak

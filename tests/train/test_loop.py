@@ -192,3 +192,19 @@ def test_repeat_weight_weights_the_soft_masked_targets(data):
     assert weight[~valid].abs().sum() == 0
     options.repeat_weight = 1.0
     assert all(b.weight is None for b in _split(windows, options, None, "cpu"))  # the unweighted path, unchanged
+
+
+def test_hardware_flops_follow_the_micro_batch_the_moe_sees(data, tmp_path):
+    # Two sequences of 200 tokens in two micro-batches: each MoE forward sees 200 tokens, one
+    # chunk of 300, so no chunk checkpoint runs the MoE again (the whole step's 400 tokens would).
+    from genolong.model import get_preset
+    from genolong.train.flops import step_flops
+    from genolong.train.options import MemoryOptions
+
+    memory = MemoryOptions(offload=False, moe_chunk_tokens=300)
+    loop.train(tiny_options(data, tmp_path / "run", steps=1, seq_len=200, batch=2, grad_accum=2, memory=memory))
+    logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["hardware_tflops"]
+    plain = step_flops(get_preset("tiny"), 200, recompute=True, chunked_loss=memory.chunked_loss, moe_recompute=False).scaled(2)
+    chunked = step_flops(get_preset("tiny"), 200, recompute=True, chunked_loss=memory.chunked_loss, moe_recompute=True).scaled(2)
+    assert chunked.hardware > plain.hardware
+    assert logged == pytest.approx(plain.hardware / 1e12, rel=1e-6)
