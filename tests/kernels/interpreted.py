@@ -15,3 +15,9 @@ def run_cases(script: str, cases, extra_env: dict | None = None, timeout: int = 
     results = {r["name"]: r for r in (json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
     assert len(results) == len(cases), run.stdout[-2000:] + run.stderr[-4000:]
     return results
+
+
+def run_script(script: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`script` run in Triton's interpreter in a fresh process (its stdout and stderr captured)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)

@@ -6,13 +6,11 @@ The reference orders entries by the documented key (fp32 bit pattern made order-
 entries take slots in index order. It uses torch's stable sort, not the kernels' bit search."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
 from genolong.errors import GenolongError
+from tests.kernels.interpreted import run_script
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -81,8 +79,7 @@ print("MISMATCHED", bad)
 
 @needs_triton
 def test_both_top_builds_choose_what_a_stable_sort_chooses():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    run = run_script(_INTERPRETED)
     assert "MISMATCHED []" in run.stdout, run.stdout + run.stderr[-3000:]
 
 

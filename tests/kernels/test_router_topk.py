@@ -3,14 +3,12 @@ torch.topk, the custom op's CPU fallback and its tracing by torch.compile inside
 math, the setting, the sm_90 build."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from genolong.errors import GenolongError
+from tests.kernels.interpreted import run_script
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -42,8 +40,7 @@ print("MISMATCHED", bad)
 
 @needs_triton
 def test_kernel_in_the_interpreter_picks_what_a_stable_sort_picks():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    run = run_script(_INTERPRETED)
     assert "MISMATCHED []" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
