@@ -220,9 +220,18 @@ def _top_options(top: str | None) -> dict:
     return dict(NARROW=narrow, num_warps=warps)
 
 
-def q_resident(heads: int, dim: int, bm: int) -> bool:
-    """Whether pass 1 v2 holds every head's [bm, dim] q block (16-bit) for the whole program."""
-    return heads * bm * dim * 2 <= RESIDENT_Q_BYTES
+# What the resident kernel's q blocks and pipelined key blocks may take together: sm_90's 227 KiB
+# less room for the rest (4 x 128 heads: 64 + 96 KiB, 167,936 bytes built).
+RESIDENT_TOTAL_BYTES = 200 << 10
+
+
+def q_resident(heads: int, dim: int, bm: int, bn: int = BN2, stages: int = STAGES2) -> bool:
+    """Whether pass 1 v2 holds every head's [bm, dim] q block (16-bit) for the whole program: at most
+    RESIDENT_Q_BYTES of q, and with the `stages` pipelined [bn, dim] key blocks within
+    RESIDENT_TOTAL_BYTES (at head dim 256 one or two heads' q fit, but not beside three 64 KiB key
+    stages: 233,472 / 266,240 bytes, more than an sm_90 block has; those stream q instead)."""
+    q = heads * bm * dim * 2
+    return q <= RESIDENT_Q_BYTES and q + stages * bn * dim * 2 <= RESIDENT_TOTAL_BYTES
 
 
 @triton.jit
@@ -476,7 +485,7 @@ def group_max_v2(q, keys, w, t, *, kpool: int, scale: float, group: int, sup: in
         return out, sg, sup
     q, keys = q.contiguous(), keys.contiguous()
     w = (w.float() * scale).contiguous()
-    kernel = _pass1_v2_kernel(heads, dim, bm, resident)
+    kernel = _pass1_v2_kernel(heads, dim, bm, resident, bn, stages)
     grid = (triton.cdiv(n, bm), triton.cdiv(triton.cdiv(n_pools, bn), n_inner))
     kernel[grid](q, keys, w, out, sg, n, _common.first_position(t), n_pools, n_groups, n_super,
                  q.stride(0), q.stride(1), keys.stride(0), w.stride(0), out.stride(0), sg.stride(0),
@@ -484,9 +493,9 @@ def group_max_v2(q, keys, w, t, *, kpool: int, scale: float, group: int, sup: in
     return out, sg, sup
 
 
-def _pass1_v2_kernel(heads: int, dim: int, bm: int, resident: bool | None):
+def _pass1_v2_kernel(heads: int, dim: int, bm: int, resident: bool | None, bn: int = BN2, stages: int = STAGES2):
     if resident is None:
-        resident = q_resident(heads, dim, bm)
+        resident = q_resident(heads, dim, bm, bn, stages)
     return _group_max_v2_kernel if resident else _group_max_v2_streamed_kernel
 
 
@@ -539,7 +548,7 @@ def aot_compile_group_max_v2(heads: int, dim: int, kpool: int, group: int, tile:
                 n_pools="i32", n_groups="i32", n_super="i32", stride_qt=heads * dim, stride_qh=dim, stride_kp=dim,
                 stride_wt=heads, stride_ot="i32", stride_st="i32")
     const = dict(KPOOL=kpool, H=heads, D=dim, BM=bm, BN=bn, G=group, SG=SUPER, N_INNER=N_INNER2, STAGES=stages)
-    return aot.build(_pass1_v2_kernel(heads, dim, bm, None), args, const, num_warps=warps, arch=arch)
+    return aot.build(_pass1_v2_kernel(heads, dim, bm, None, bn, stages), args, const, num_warps=warps, arch=arch)
 
 
 def aot_compile_v2(heads: int, dim: int, kpool: int, group: int, topk_pools: int = 512, seq: int = 1 << 20,

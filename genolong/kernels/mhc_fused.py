@@ -198,6 +198,14 @@ def dot_blocks(dtype: torch.dtype) -> tuple[int, int]:
     return DOT_BLOCKS["fp32" if dtype == torch.float32 else "16-bit"]
 
 
+def mix_logits_stages(n: int) -> int | None:
+    """Pipeline stages of the logits pass: Triton's default (None: 3) up to 4 streams, the build
+    measured on the H200. At 8 streams each stage holds a [BD, 8 x 80] block of fn: 3 stages ask
+    for 524,288 bytes of shared memory (327,680 in fp32; an sm_90 block may have 232,448) and the
+    launch fails; one stage needs 24,576 (sm_90 builds, 2026-12-05)."""
+    return None if n <= 4 else 1
+
+
 def mix_logits(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, n, D], fn [(2 + n) n, n D] in x's dtype -> (raw logits fp32 [T, (2 + n) n], rstd fp32 [T])."""
     t, n, d = x.shape
@@ -206,8 +214,10 @@ def mix_logits(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> tuple[torch
     rstd = torch.empty(t, device=x.device, dtype=torch.float32)
     bt, bd = dot_blocks(x.dtype)
     if t:
+        stages = mix_logits_stages(n)
         _mix_logits_kernel[(triton.cdiv(t, bt),)](x, fn, raw, rstd, t, float(rms_eps), D=d, N=n, K=k, KP=padded_logits(n),
-                                             BT=bt, BD=bd, PRECISION=_precision(x.dtype), num_warps=4)
+                                             BT=bt, BD=bd, PRECISION=_precision(x.dtype), num_warps=4,
+                                             **({} if stages is None else {"num_stages": stages}))
     return raw, rstd
 
 
@@ -381,4 +391,6 @@ def aot_compile(n: int = 4, hidden: int = 1024, dtype: str = "bf16", arch: int =
                                                 dpost_ptr=f, dcomb_ptr=f, **shape),
                        dict(D=hidden, N=n, BT=EXPAND_BWD_BT, BD=EXPAND_BWD_BD), 4),
     }
-    return {name: aot.build(kernel, args, const, num_warps=warps, arch=arch) for name, (kernel, args, const, warps) in specs.items()}
+    stages = {"mix_logits": mix_logits_stages(n)}
+    return {name: aot.build(kernel, args, const, num_warps=warps, num_stages=stages.get(name), arch=arch)
+            for name, (kernel, args, const, warps) in specs.items()}

@@ -61,6 +61,18 @@ def test_every_v2_pass1_tile_fits_sm90_shared_memory(heads):
 
 
 @needs_triton
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_the_default_v2_pass1_fits_sm90_at_every_head_count_and_width(dim):
+    # The op's own launch (the default tile, the kernel q_resident picks) at head dims it accepts:
+    # at 256 wide, one or two heads' q blocks beside three key stages once asked for 233-266 KB.
+    from genolong.kernels import aot, indexer_triton
+
+    for heads in (1, 2, 3, 4, 8, 16, 32, 64):
+        shared = indexer_triton.aot_compile_group_max_v2(heads, dim, kpool=4, group=4).metadata.shared
+        assert shared <= aot.SM90_SHARED_BYTES, f"{heads} heads x {dim} need {shared} bytes of shared memory"
+
+
+@needs_triton
 def test_build_check_specialises_like_the_jit():
     from genolong.kernels import aot, indexer_triton, sparse_mla_triton
 
