@@ -46,7 +46,7 @@ MAX_TABLE_BYTES = 1 << 30
 VALIDATION_FRACTION = 0.1
 VALIDATION_MAX_BASES = 4 << 20
 CACHE_NAME = "markov.npz"
-_FORMAT = 1
+_FORMAT = 2  # 2: the added-back validation slice counted with its look-back (2026-12-05)
 LN2 = math.log(2.0)
 _BLOCK = 1 << 23  # bases per vectorised block: bounds the temporaries at ~0.5 GB
 
@@ -109,18 +109,19 @@ def _top_code(base: np.ndarray, order: int) -> np.ndarray:
     return code
 
 
-def _blocks(seq: np.ndarray, look_back: int) -> Iterator[tuple[int, np.ndarray]]:
+def _blocks(seq: np.ndarray, look_back: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
     """(first, piece): pieces of `seq` with `look_back` bases before their own targets, which
-    start at index `first` of the piece."""
+    start at index `first` of the piece; targets from index `start` of `seq` on."""
     n = len(seq)
-    for s in range(0, n, _BLOCK):
+    for s in range(start, n, _BLOCK):
         lo = max(0, s - look_back)
         yield s - lo, np.asarray(seq[lo : min(n, s + _BLOCK)])
 
 
-def count_contexts(sequences: Iterable[np.ndarray], max_order: int) -> list[np.ndarray]:
+def count_contexts(sequences: Iterable[np.ndarray], max_order: int, starts: Iterable[int] | None = None) -> list[np.ndarray]:
     """counts[k][context, base] over `sequences` (uint8 DNA ids) for k = 0..max_order; a target
     counts at order k only if it and the k bases before it in the same sequence are A/C/G/T.
+    `starts` (one per sequence): the targets begin there, the bases before are context only.
 
     One pass at the top order K: targets with K valid bases before them go into counts[K]; a target with exactly k < K valid bases before it (after an N or near a
     record start; few) is added to counts[k] directly. Then counts[k] += counts[k+1] summed over
@@ -128,8 +129,9 @@ def count_contexts(sequences: Iterable[np.ndarray], max_order: int) -> list[np.n
     one of order k. Exact, and one data pass instead of K + 1.
     """
     counts = [np.zeros((N_BASES**k, N_BASES), dtype=np.int64) for k in range(max_order + 1)]
-    for seq in sequences:
-        for first, x in _blocks(seq, max_order):
+    sequences = list(sequences)
+    for seq, start in zip(sequences, [0] * len(sequences) if starts is None else starts):
+        for first, x in _blocks(seq, max_order, start):
             valid = x < N_BASES
             avail = _context_lengths(valid, max_order)
             target = valid.copy()
@@ -217,11 +219,13 @@ def fit(
     *,
     max_order: int = DEFAULT_MAX_ORDER,
     alphas: tuple[float, ...] = DEFAULT_ALPHAS,
-    add_back: list[np.ndarray] | None = None,
+    add_back: list[tuple[np.ndarray, int]] | None = None,
 ) -> MarkovModel:
     """Count orders 0..K on `train`, choose (order, alpha) by bits/base on `validation`, and keep
     the chosen order's tables (plus the counts of `add_back`, the validation slice of the train
-    records when there is no validation split)."""
+    records when there is no validation split: (bases, start) pairs whose targets begin at `start`,
+    the bases before it the end of the record's train part, so the slice's first targets keep
+    their context as if the record had never been cut)."""
     if not alphas or min(alphas) <= 0:
         raise GenolongError(f"Markov smoothing constants must be positive, got {alphas}")
     train_bases = int(sum(int(np.count_nonzero(np.asarray(s) < N_BASES)) for s in train))
@@ -238,7 +242,7 @@ def fit(
     k, j = np.unravel_index(np.nanargmin(table), table.shape)
     kept = counts[: k + 1]
     if add_back:
-        extra = count_contexts(add_back, int(k))
+        extra = count_contexts([seq for seq, _ in add_back], int(k), [start for _, start in add_back])
         kept = [a + b for a, b in zip(kept, extra)]
     counted = int(kept[0].sum())  # order 0 counts every A/C/G/T target once
     info = {
@@ -296,7 +300,11 @@ def fit_or_load(
     else:
         cuts = [(n, length, length - int(length * VALIDATION_FRACTION)) for n, length in train_records]
         train = [read("train", n, 0, cut) for n, _, cut in cuts]
-        validation = add_back = [read("train", n, cut, length) for n, length, cut in cuts if cut < length]
+        validation = [read("train", n, cut, length) for n, length, cut in cuts if cut < length]
+        # The counted slices carry the bases before the cut as context (up to the highest order).
+        reach = order_cap(max_order, sum(length for _, length in train_records))
+        add_back = [(read("train", n, max(0, cut - reach), length), cut - max(0, cut - reach))
+                    for n, length, cut in cuts if cut < length]
         where = f"the last {VALIDATION_FRACTION:.0%} of each train record (the data has no validation split)"
     bases = sum(length for _, length in train_records)
     echo(f"fitting the Markov baseline (orders 0-{order_cap(max_order, bases)}) on {bases:,} train bases ...")

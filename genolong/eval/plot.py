@@ -45,11 +45,13 @@ PANEL_WIDTH = 6.2
 
 
 def _tokens(x: float, _pos=None) -> str:
-    if x >= 1024 * 1024:
-        return f"{x / (1024 * 1024):.4g}M"
-    if x >= 1024:
-        return f"{x / 1024:.4g}k"
-    return f"{x:g}"
+    """A position tick: 64k, 1M for whole k / M (k = 1024, as --seq and --bucket are written), else the
+    plain number (1,000 not '0.977k'), so ticks of one axis never mix the two units' roundings."""
+    if x == int(x) and int(x) % (1024 * 1024) == 0 and x:
+        return f"{int(x) // (1024 * 1024)}M"
+    if x == int(x) and int(x) % 1024 == 0 and x:
+        return f"{int(x) // 1024}k"
+    return f"{x:,.0f}" if x == int(x) else f"{x:,g}"
 
 
 def _tick_step(bucket: int, n_buckets: int) -> int:

@@ -86,11 +86,14 @@ class Layout:
             object.__setattr__(self, "controls", ())
             return
         object.__setattr__(self, "controls", tuple(c for c in CONTROLS if c in self.controls))
-        if self.control >= self.seq:
+        if 2 * self.control >= self.seq:
+            # Controls re-score targets at least 2C into a window (blocks from 2C on): none exist then,
+            # and a control equal to the full-context score would report a long-range part of exactly 0.
             raise GenolongError(
-                f"--control-context {format_length(self.control)} is not shorter than the window --seq "
-                f"{format_length(self.seq)}, so the control would equal the full-context score: "
-                f"use a smaller --control-context (e.g. {format_length(max(1, self.seq // 16))}) or --control-context 0 to skip it"
+                f"--control-context {format_length(self.control)} leaves no target in a window of --seq "
+                f"{format_length(self.seq)} with more than {format_length(2 * self.control)} bases before it, so the control "
+                f"would equal the full-context score: use a --control-context below half the window (e.g. "
+                f"{format_length(max(1, self.seq // 16))}) or --control-context 0 to skip it"
             )
 
     @property

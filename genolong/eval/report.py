@@ -143,7 +143,8 @@ class Results:
                 "overall_rel_change": _est(self.overall_rel["full"]),
                 "early_rel_change": _est(full.at(early)),
                 "late_rel_change": _est(full.at(late)),
-                "late_minus_early": _est(full.at(late) - full.at(early)),
+                # One bucket with targets: early and late are the same, and their difference is no result.
+                "late_minus_early": _est(full.at(late) - full.at(early)) if late != early else _NONE,
             }
         )
         for ctx in self.layout.controls:
@@ -156,9 +157,15 @@ class Results:
         return out
 
 
+_NONE = {"value": None, "lo": None, "hi": None}
+
+
 def _span(layout: Layout, b: int) -> str:
-    edges = layout.bucket_edges()
-    return f"{fmt_len(int(edges[b]))}-{fmt_len(int(edges[b + 1]))}"
+    """'64k-96k'; in plain numbers when an edge is not a whole k ('4,000-4,096', not '4000-4k')."""
+    lo, hi = (int(e) for e in layout.bucket_edges()[b : b + 2])
+    if lo % 1024 or hi % 1024:
+        return f"{lo:,}-{hi:,}"
+    return f"{fmt_len(lo)}-{fmt_len(hi)}"
 
 
 def _num(x: float) -> float | None:

@@ -121,8 +121,23 @@ def test_the_order_of_a_markov_chain_is_found_on_validation():
 def test_the_held_out_slice_is_added_back():
     train = sequences(6, [500, 300])
     slices = sequences(7, [60, 40])
-    model = markov.fit(train, slices, max_order=2, alphas=(0.5,), add_back=slices)
+    model = markov.fit(train, slices, max_order=2, alphas=(0.5,), add_back=[(s, 0) for s in slices])
     expect = as_tables(naive_counts(train + slices, model.order), model.order)
+    for k in range(model.order + 1):
+        np.testing.assert_array_equal(model.counts[k], expect[k])
+
+
+def test_the_added_back_slice_keeps_its_context_across_the_cut():
+    # Whole records cut into a train part and a held-out slice: counted back with the bases before
+    # the cut as context, the tables equal those of the uncut records (no target counted twice, none
+    # of the slice's first targets demoted to a lower order).
+    whole = sequences(8, [700, 450])
+    cuts = [600, 400]
+    train = [r[:c] for r, c in zip(whole, cuts)]
+    held = [r[c:] for r, c in zip(whole, cuts)]
+    add_back = [(r[c - 3 :], 3) for r, c in zip(whole, cuts)]  # three bases of look-back: orders up to 3
+    model = markov.fit(train, held, max_order=3, alphas=(0.5,), add_back=add_back)
+    expect = as_tables(naive_counts(whole, model.order), model.order)
     for k in range(model.order + 1):
         np.testing.assert_array_equal(model.counts[k], expect[k])
 

@@ -166,6 +166,7 @@ def test_control_runs_and_their_lengths():
     [
         (1024, 2048, None, (), "--bucket"),
         (1024, 64, 1024, ("truncated",), "--control-context"),
+        (1024, 64, 512, ("truncated",), "--control-context"),  # no target is 2C into the window: nothing to re-score
         (1, 1, None, (), "--seq"),
         (1024, 64, 64, ("reversed",), "--controls"),
     ],

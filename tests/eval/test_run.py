@@ -220,3 +220,22 @@ def test_numbers_print_without_negative_zero():
     assert pct({"value": -1e-9, "lo": -2e-7, "hi": 0.0123}) == "+0.00% [+0.00, +1.23]"
     assert bits({"value": -4e-6, "lo": -0.00012, "hi": 3e-6}, signed=True) == "+0.0000 [-0.0001, +0.0000]"
     assert bits({"value": 2.0, "lo": 2.0, "hi": 2.0}) == "2.0000"
+
+
+def test_one_bucket_reports_no_late_minus_early(tmp_path):
+    # --bucket = --seq: the first and last buckets with targets are one bucket; their difference of
+    # exactly 0 would read as a result.
+    _, _, text = run(tmp_path / "e", make_windows(3, SEQ), layout=Layout(SEQ, SEQ, 64))
+    doc = json.loads((tmp_path / "e" / "positional.json").read_text())
+    assert doc["summary"]["late_minus_early"] == {"value": None, "lo": None, "hi": None}
+    assert "late - early n/a" in text
+    assert doc["summary"]["long_range_late_truncated"]["value"] is not None  # the controls still say something
+
+
+def test_buckets_that_are_not_whole_k_are_labelled_in_plain_numbers(tmp_path):
+    from genolong.eval.plot import _tokens
+
+    _, _, text = run(tmp_path / "e", make_windows(3, SEQ), layout=Layout(SEQ, 100, 64))
+    assert "late (200-256)" in text and "early (0-100)" in text
+    assert [_tokens(x) for x in (0, 1000, 2000, 2048, 4096, 1 << 20, 1500000)] == [
+        "0", "1,000", "2,000", "2k", "4k", "1M", "1,500,000"]
