@@ -47,7 +47,10 @@ class GradientSync:
         for name, params in self.groups.items():
             group = self.pmesh.group(name)
             present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
-            dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
+            # Over every rank, not only the ones that sum this gradient: under ep an expert slice whose
+            # experts got no token this step has no gradient on its ranks while the layer's other
+            # slices do; it joins as zeros (weight decay and the moments move on, as in one process).
+            dist.all_reduce(present, op=dist.ReduceOp.MAX)
             live = []
             for param, anywhere in zip(params, present.tolist(), strict=True):
                 if not anywhere:

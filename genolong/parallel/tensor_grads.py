@@ -34,7 +34,8 @@ def reduce_gradients(model: torch.nn.Module, pmesh) -> None:
         # none anywhere and stays None): one small all-reduce instead of a collective per tensor.
         device = params[0].device
         present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
+        # Over every rank (an idle expert slice under ep has none where the layer's others have one).
+        dist.all_reduce(present, op=dist.ReduceOp.MAX)
         for param, any_rank in zip(params, present.tolist(), strict=True):
             if not any_rank:
                 continue

@@ -166,7 +166,9 @@ class ExpertBalancer:
         ratio = (loads / mean.clamp_min(1e-12)).cpu()
         aux = None
         if self.aux_loss_coeff > 0:
-            aux = float(torch.stack(self._aux_parts).sum()) if self._aux_parts else 0.0
+            mine = torch.stack(self._aux_parts).sum().reshape(1) if self._aux_parts else torch.zeros(1)
+            # Each rank holds its own sequences' share of the step's loss: the step's is their sum.
+            aux = float(reduce(mine.to(loads.device, torch.float32)) if reduce is not None else mine)
         return BalanceStats(
             load_max={i: float(ratio[row].max()) for row, i in enumerate(layers)},
             load_min={i: float(ratio[row].min()) for row, i in enumerate(layers)},

@@ -65,6 +65,9 @@ def _run_here(options: TrainOptions) -> list[dict]:
     from genolong.train.loop import train
 
     rank = launched_world()[0]
+    # A rank ends with its torchrun agent, as the local launcher's workers end with theirs: killed
+    # with SIGKILL, the agent cannot stop them, and they would train on holding the run's lock.
+    lifeline.follow_parent(os.getppid())
     try:
         return train(options)
     except GenolongError as err:

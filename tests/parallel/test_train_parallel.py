@@ -179,10 +179,52 @@ def test_cp2_with_repeat_weights_trains_what_one_process_trains(data, tmp_path):
     assert _close([r["grad_norm"] for r in split], [r["grad_norm"] for r in single], rtol=1e-5)
 
 
-def test_aux_loss_with_cp_is_refused_in_one_line(data, tmp_path):
-    with pytest.raises(GenolongError, match=r"--aux-loss-coeff 0.01 with --parallel .*cp=2.*use --aux-loss-coeff 0") as err:
-        train(_options(data, tmp_path / "run", seq_len=128, batch=1, parallel="cp=2", launcher="ray", aux_loss_coeff=0.01))
+@pytest.mark.parametrize("layout", ["cp=2", "tp=2"])  # both split the sequence the loss is computed over
+def test_aux_loss_with_a_split_sequence_is_refused_in_one_line(data, tmp_path, layout):
+    with pytest.raises(GenolongError, match=rf"--aux-loss-coeff 0.01 with --parallel .*{layout}.*use --aux-loss-coeff 0") as err:
+        train(_options(data, tmp_path / "run", seq_len=128, batch=1, parallel=layout, launcher="ray", aux_loss_coeff=0.01))
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+def test_dp2_logs_the_whole_steps_balance_loss(data, tmp_path):
+    # Each rank's share of the sequence-wise balance loss is its own sequences': the logged value is their sum.
+    fields = {"seq_len": 128, "batch": 2, "steps": 1, "aux_loss_coeff": 0.1}
+    single = train(_options(data, tmp_path / "single", **fields))
+    split = run_ranks(_train_rank, 2, _options(data, tmp_path / "dp2", parallel="dp=2", **fields).to_dict())[0]
+    # (the first step: later ones follow weights and expert biases that differ in their last bits)
+    assert math.isclose(split[0]["aux_loss"], single[0]["aux_loss"], rel_tol=1e-4), (split[0], single[0])
+
+
+def _idle_expert_slice(rank, world):
+    from genolong.model import GenoLongForCausalLM, get_preset
+    from genolong.parallel.grad_sync import GradientSync
+    from genolong.parallel.layout import ParallelLayout
+    from genolong.parallel.mesh import build_mesh
+    from genolong.parallel.tensor_grads import reduce_gradients
+
+    from genolong.parallel.tensor_plan import ensure_reduce_groups
+
+    pmesh = build_mesh(ParallelLayout(ep=world), "cpu")
+    ensure_reduce_groups(pmesh)  # what apply_expert_parallel creates: the experts' own reduce group
+    torch.manual_seed(0)
+    found = []
+    for reducer in ("sync", "reference"):
+        model = GenoLongForCausalLM(get_preset("tiny"))
+        model(torch.randint(0, 5, (1, 48))).logits.square().mean().backward()
+        experts = [p for n, p in model.named_parameters() if ".experts." in n]
+        if rank == 1:  # this ep rank's experts got no token this step; rank 0's did
+            for p in experts:
+                p.grad = None
+        GradientSync(model, pmesh).reduce() if reducer == "sync" else reduce_gradients(model, pmesh)
+        found.append(all(p.grad is not None for p in experts))
+    return found
+
+
+def test_an_expert_slice_without_tokens_joins_the_step_as_zero_gradients():
+    # One process updates every expert (weight decay, the moments) every step; under ep a rank whose
+    # experts got no token must too, or its experts drift from the one-process run.
+    for found in run_ranks(_idle_expert_slice, 2):
+        assert found == [True, True]
 
 
 def _gradient_sync(rank, world, bucket):
