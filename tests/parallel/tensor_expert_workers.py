@@ -144,7 +144,7 @@ def _run_case(pmesh, case: Case, n: int, pin: dict | None, rank: int) -> dict:
         "selections": {layer: np.concatenate(v) for layer, v in seen.items()},
         "grad_none": sorted(name for name, p in model.named_parameters() if p.grad is None),
     }
-    # A rank whose experts received no token has no gradient for them (the others' are gathered).
+    # (a rank whose experts received no token got zeros for them in the reduce; the slices are gathered)
     grads = full_state_dict({name: torch.zeros_like(p) if p.grad is None else p.grad for name, p in model.named_parameters()}, pmesh)
     if rank == 0:
         out["grads"] = {name: g.float().numpy() for name, g in grads.items()}

@@ -55,9 +55,10 @@ def test_ep2_skewed_routing_one_rank_gets_every_token(ep2):
     check_fp32(refs["skewed"], results, "skewed")
     # Every token picked two of experts 0-3, all on ep rank 0: it received all rows (2x the mean) ...
     assert all(r["skewed"]["imbalance"] == {3: 2.0} for r in results)
-    # ... and rank 1's experts none: no gradient there, and its empty exchanges still joined in.
-    assert "model.layers.3.mlp.experts.gate_up_proj" in results[1]["skewed"]["grad_none"]
-    assert "model.layers.3.mlp.experts.gate_up_proj" not in results[0]["skewed"]["grad_none"]
+    # ... and rank 1's experts none: its empty exchanges still joined in, and after the reduce its
+    # slice holds a zero gradient, not none (one process's whole [E, ...] tensor has a gradient, so
+    # weight decay and the optimizer moments move every expert; check_fp32 compared the values).
+    assert all("model.layers.3.mlp.experts.gate_up_proj" not in r["skewed"]["grad_none"] for r in results)
 
 
 def test_ep2_moe_chunks_under_recompute_dispatch_per_chunk(ep2):
