@@ -163,29 +163,23 @@ def finetune(
     else:
         if data is None or out is None:
             raise GenolongError("finetune needs --data DIR and --out RUN_DIR (or --resume RUN_DIR to continue a run)")
-        memory_fields = {
-            "offload_layers": offload_layers,
-            "moe_chunk_tokens": parse_length(moe_chunk, "--moe-chunk"),
-            "loss_chunk_tokens": parse_length(loss_chunk, "--loss-chunk") if loss_chunk else None,
-            "gpu_budget_gib": gpu_budget_gib,
-            "host_budget_gib": host_budget_gib,
-        }
-        if baseline:
-            memory = MemoryOptions.baseline(**memory_fields)
-        else:
-            memory = MemoryOptions(
-                recompute=recompute,
-                # Offload moves the layer inputs that recompute keeps: --no-recompute implies no offload.
-                offload=offload and recompute,
-                offload_pinned=pinned,
-                offload_overlap=overlap,
-                keep_sparse=keep_sparse,
-                moe_chunking=moe_chunking,
-                keep_moe=keep_moe,
-                mhc_low_precision=mhc_low_precision,
-                chunked_loss=chunked_loss,
-                **memory_fields,
-            )
+        memory = MemoryOptions.from_flags(
+            baseline,
+            recompute=recompute,
+            offload=offload,
+            moe_chunk=moe_chunk,
+            loss_chunk=loss_chunk,
+            offload_layers=offload_layers,
+            gpu_budget_gib=gpu_budget_gib,
+            host_budget_gib=host_budget_gib,
+            offload_pinned=pinned,
+            offload_overlap=overlap,
+            keep_sparse=keep_sparse,
+            moe_chunking=moe_chunking,
+            keep_moe=keep_moe,
+            mhc_low_precision=mhc_low_precision,
+            chunked_loss=chunked_loss,
+        )
         options = TrainOptions(
             data=str(Path(data).resolve()) if data else None,  # absolute: a resume from any directory finds it
             out=out,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genolong.errors import GenolongError
+from genolong.units import parse_length
 
 KERNEL_CHOICES = ("auto", "fused", "reference")
 LAUNCHERS = ("local", "ray")
@@ -74,6 +75,26 @@ class MemoryOptions:
         }
         off.update(overrides)
         return cls(**off)
+
+    @classmethod
+    def from_flags(cls, baseline: bool, *, recompute: bool, offload: bool, moe_chunk: str, loss_chunk: str | None,
+                   offload_layers: int | None, gpu_budget_gib: float | None, host_budget_gib: float | None,
+                   **switches: Any) -> MemoryOptions:
+        """The options `finetune` and `plan` build from their shared memory flags.
+
+        --baseline turns every switch off and keeps only the sizes and budgets; otherwise
+        --no-recompute also turns offload off (offload moves the layer inputs recompute keeps).
+        """
+        sizes = {
+            "offload_layers": offload_layers,
+            "moe_chunk_tokens": parse_length(moe_chunk, "--moe-chunk"),
+            "loss_chunk_tokens": parse_length(loss_chunk, "--loss-chunk") if loss_chunk else None,
+            "gpu_budget_gib": gpu_budget_gib,
+            "host_budget_gib": host_budget_gib,
+        }
+        if baseline:
+            return cls.baseline(**sizes)
+        return cls(recompute=recompute, offload=offload and recompute, **switches, **sizes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

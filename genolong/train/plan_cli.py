@@ -145,28 +145,23 @@ def plan(
     seq_len = parse_length(seq, "--seq")
     if seq_len < 2:
         raise GenolongError(f"--seq must be at least 2 tokens (as finetune needs), got {seq_len}")
-    memory_fields = {
-        "offload_layers": offload_layers,
-        "moe_chunk_tokens": parse_length(moe_chunk, "--moe-chunk"),
-        "loss_chunk_tokens": parse_length(loss_chunk, "--loss-chunk") if loss_chunk else None,
-        "gpu_budget_gib": gpu_budget_gib,
-        "host_budget_gib": host_budget_gib,
-    }
-    if baseline:
-        opts = MemoryOptions.baseline(**memory_fields)
-    else:
-        opts = MemoryOptions(
-            recompute=recompute,
-            offload=offload and recompute,
-            moe_chunking=moe_chunking,
-            chunked_loss=chunked_loss,
-            mhc_low_precision=mhc_low_precision,
-            offload_pinned=pinned,
-            offload_overlap=overlap,
-            keep_sparse=keep_sparse,
-            keep_moe=keep_moe,
-            **memory_fields,
-        )
+    opts = MemoryOptions.from_flags(
+        baseline,
+        recompute=recompute,
+        offload=offload,
+        moe_chunk=moe_chunk,
+        loss_chunk=loss_chunk,
+        offload_layers=offload_layers,
+        gpu_budget_gib=gpu_budget_gib,
+        host_budget_gib=host_budget_gib,
+        offload_pinned=pinned,
+        offload_overlap=overlap,
+        keep_sparse=keep_sparse,
+        moe_chunking=moe_chunking,
+        keep_moe=keep_moe,
+        mhc_low_precision=mhc_low_precision,
+        chunked_loss=chunked_loss,
+    )
     config = get_preset(preset)
     console = Console()
     if not console.is_terminal:  # a pipe or a log: wide enough that the tables keep one line per row
