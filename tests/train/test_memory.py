@@ -311,3 +311,19 @@ def test_offload_on_cuda_streams_round_trips_and_matches_plain():
     run(wrapped)
     assert off.reserved_bytes() == reserved == 4 * x.numel() * 4
     off.release()
+
+
+def test_memory_flags_baseline_keeps_only_sizes_and_no_recompute_drops_offload():
+    # The flags finetune and plan share: --baseline turns every switch off whatever else was
+    # given but keeps the sizes and budgets; --no-recompute takes offload with it.
+    flags = dict(recompute=True, offload=True, moe_chunk="32k", loss_chunk="4k", offload_layers=3,
+                 gpu_budget_gib=70.0, host_budget_gib=100.0, keep_sparse="host", moe_chunking=True, keep_moe=True)
+    base = MemoryOptions.from_flags(True, **flags)
+    assert (base.recompute, base.offload, base.moe_chunking, base.keep_moe, base.chunked_loss, base.keep_sparse) == (False, False, False, False, False, "off")
+    assert (base.moe_chunk_tokens, base.loss_chunk_tokens, base.offload_layers, base.gpu_budget_gib, base.host_budget_gib) == (32768, 4096, 3, 70.0, 100.0)
+    full = MemoryOptions.from_flags(False, **flags)
+    assert (full.recompute, full.offload, full.keep_sparse, full.keep_moe, full.moe_chunk_tokens) == (True, True, "host", True, 32768)
+    plain = MemoryOptions.from_flags(False, **{**flags, "recompute": False, "keep_sparse": "off", "keep_moe": False, "loss_chunk": None})
+    assert (plain.recompute, plain.offload, plain.loss_chunk_tokens) == (False, False, None)
+    with pytest.raises(GenolongError, match="--moe-chunk"):
+        MemoryOptions.from_flags(False, **{**flags, "moe_chunk": "lots"})
