@@ -93,8 +93,8 @@ class MemoryOptions:
             "host_budget_gib": host_budget_gib,
         }
         if baseline:
-            return cls.baseline(**sizes)
-        return cls(recompute=recompute, offload=offload and recompute, **switches, **sizes)
+            return cls.baseline(**sizes).validate()
+        return cls(recompute=recompute, offload=offload and recompute, **switches, **sizes).validate()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,10 +115,14 @@ class MemoryOptions:
         if self.keep_moe and not (self.recompute and self.moe_chunking):
             raise GenolongError("--keep-moe keeps the MoE output for the layers' recompute of its chunks: it needs recompute and --moe-chunking; drop --keep-moe")
         if self.offload_layers is not None and self.offload_layers < 0:
-            raise GenolongError(f"offload_layers must be >= 0, got {self.offload_layers}")
-        for name in ("moe_chunk_tokens", "loss_chunk_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise GenolongError(f"{name} must be positive, got {getattr(self, name)}")
+            raise GenolongError(f"--offload-layers must be >= 0, got {self.offload_layers}")
+        for flag, value in (("--moe-chunk", self.moe_chunk_tokens), ("--loss-chunk", self.loss_chunk_tokens)):
+            if value is not None and value <= 0:
+                raise GenolongError(f"{flag} must be a positive number of tokens, got {value}")
+        for flag, value in (("--gpu-budget-gib", self.gpu_budget_gib), ("--host-budget-gib", self.host_budget_gib)):
+            # `not value > 0` also catches NaN; inf would pass it and overflow the byte counts later.
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise GenolongError(f"{flag} must be a positive number of GiB, got {value}")
         return self
 
     def keeps_moe(self) -> bool:

@@ -26,6 +26,8 @@ memory) still work, hidden, converted to budgets with a deprecation line.
 
 from __future__ import annotations
 
+import math
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -100,9 +102,15 @@ def plan(
 
     if device not in ("cuda", "cpu"):
         raise GenolongError(f"--device must be cuda or cpu, got {device!r}")
-    for flag, value in (("--gpu-budget-gib", gpu_budget_gib), ("--host-budget-gib", host_budget_gib), ("--node-ram-gib", node_ram_gib)):
-        if value is not None and not value > 0:
+    for flag, value in (("--gpu-budget-gib", gpu_budget_gib), ("--host-budget-gib", host_budget_gib), ("--node-ram-gib", node_ram_gib),
+                        ("--gpu-gib", gpu_gib), ("--host-gib", host_gib)):
+        # `not value > 0` catches NaN; inf passes it and would overflow the byte counts.
+        if value is not None and not (math.isfinite(value) and value > 0):
             raise GenolongError(f"{flag} must be a positive number of GiB, got {value}")
+    if not (math.isfinite(moe_skew) and moe_skew >= 1):
+        raise GenolongError(f"--moe-skew is the busiest ep rank's rows over the mean, a number >= 1; got {moe_skew}")
+    if grad_accum < 1:
+        raise GenolongError(f"--grad-accum must be at least 1, got {grad_accum}")
     if top < 1:
         raise GenolongError(f"--top must be at least 1, got {top}")
     layout = parse_layout(parallel) if parallel else None
@@ -133,13 +141,13 @@ def plan(
         raise GenolongError(f"--dtype must be bfloat16 or float32, got {dtype_name!r}")
     ranks = setup.layout.data_parallel
     sequences = batch if batch is not None else ranks * grad_accum
-    if sequences < 1 or grad_accum < 1 or sequences % (ranks * grad_accum):
+    if sequences < 1 or sequences % (ranks * grad_accum):
         raise GenolongError(
             f"--batch {sequences} must be a positive multiple of {ranks * grad_accum}: the step's sequences are split over "
             f"{ranks} data-parallel rank(s) (dp x ep) and into --grad-accum {grad_accum} equal micro-batches"
         )
     micro = sequences // (ranks * grad_accum)
-    gpu_bytes = gpu_memory_bytes(gpu_type)
+    gpu_bytes = gpu_memory_bytes(gpu_type) if device == "cuda" else 0  # --device cpu plans RAM only
     host_bytes = int(node_ram_gib * GIB) if node_ram_gib is not None else None
 
     seq_len = parse_length(seq, "--seq")
@@ -167,9 +175,10 @@ def plan(
     if not console.is_terminal:  # a pipe or a log: wide enough that the tables keep one line per row
         console = Console(width=160)
     if device == "cpu":
-        est = estimate_cpu_memory(config, seq_len, opts, batch=micro, dtype_bytes=dtype_bytes)
+        # --node-ram-gib: the machine the run is for (default: this one's RAM).
+        est = estimate_cpu_memory(config, seq_len, opts, batch=micro, dtype_bytes=dtype_bytes, ram_bytes=host_bytes)
         _print_estimate(console, config, est, f"{config.name} at {format_length(seq_len)} tokens x {micro} per micro-batch on the CPU")
-        _verdict(console, config, est, lambda: shortfall(config, seq_len, opts, 1, gpu_bytes, device="cpu", batch=micro, dtype_bytes=dtype_bytes))
+        _verdict(console, config, est, lambda: shortfall(config, seq_len, opts, 1, gpu_bytes, device="cpu", batch=micro, dtype_bytes=dtype_bytes, ram_bytes=host_bytes))
         return
 
     if suggest:
@@ -210,8 +219,11 @@ def _verdict(console: Console, config, est, fixes) -> None:
         console.print("[green]fits[/green]")
         return
     console.print(f"[red]does not fit[/red]: {' and '.join(est.short)} short")
-    for fix in fixes() or ["nothing short of a smaller model (--preset)"]:
+    found = fixes()
+    for fix in found:
         console.print(f"  would fit with {fix}")
+    if not found:
+        console.print("  no flag or shorter --seq makes it fit: a smaller model (--preset) or more GPUs (--gpus N --suggest)")
     raise typer.Exit(EXIT_DOES_NOT_FIT)
 
 

@@ -67,7 +67,7 @@ class ParallelSetup:
             raise GenolongError(f"--kda-cp {self.kda_mode!r} is not one of {', '.join(KDA_MODES)}; use state or ulysses")
         if self.gpus_per_node < 1:
             raise GenolongError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
-        if self.moe_skew < 1:
+        if not (math.isfinite(self.moe_skew) and self.moe_skew >= 1):
             raise GenolongError(f"--moe-skew is the busiest rank over the mean, at least 1; got {self.moe_skew}")
 
     @property
@@ -107,7 +107,7 @@ def gpu_memory_bytes(gpu_type: str) -> int:
         gib = float(name)
     except ValueError:
         gib = 0.0
-    if gib <= 0:
+    if not (math.isfinite(gib) and gib > 0):
         raise GenolongError(f"--gpu-type {gpu_type!r} is not one of {', '.join(GPU_GIB)} or a size in GiB; e.g. --gpu-type b200 or --gpu-type 94")
     return int(gib * GIB)
 

@@ -343,3 +343,39 @@ def test_plan_batch_means_sequences_per_step_as_in_finetune():
     # 4 sequences in 4 micro-batches use the memory of one sequence; in 1 micro-batch, of four.
     assert total("--batch", "4", "--grad-accum", "4") == total()
     assert total("--batch", "4") != total()
+
+
+def test_cpu_plan_reads_the_node_ram_it_is_given():
+    from genolong.cli import app
+
+    # 128k of glm53-mini on a CPU needs ~320 GiB: a 4 TiB machine fits it, a 1 GiB one does not,
+    # whatever this machine has.
+    args = ["plan", "--seq", "128k", "--preset", "glm53-mini", "--device", "cpu"]
+    big = CliRunner().invoke(app, [*args, "--node-ram-gib", "4096"])
+    assert big.exit_code == 0 and "fits" in big.output, big.output
+    small = CliRunner().invoke(app, [*args, "--node-ram-gib", "1"])
+    assert small.exit_code == 3 and "does not fit" in small.output, small.output
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--gpu-type", "nan"], "--gpu-type"),
+        (["--gpu-type", "inf"], "--gpu-type"),
+        (["--node-ram-gib", "inf"], "--node-ram-gib"),
+        (["--gpu-budget-gib", "inf"], "--gpu-budget-gib"),
+        (["--host-budget-gib", "nan"], "--host-budget-gib"),
+        (["--moe-skew", "nan"], "--moe-skew"),
+        (["--grad-accum", "0"], "--grad-accum must be at least 1"),
+        (["--gpu-gib", "0"], "--gpu-gib"),
+    ],
+)
+def test_plan_refuses_non_finite_and_non_positive_sizes_in_one_line(args, named):
+    from genolong.cli import app
+
+    from genolong.errors import GenolongError
+
+    # A GenolongError is what the entry point prints as one line with exit code 2 (not a traceback).
+    result = CliRunner().invoke(app, ["plan", "--seq", "128k", "--preset", "glm53-mini", *args])
+    assert isinstance(result.exception, GenolongError), result.output
+    assert named in str(result.exception)
