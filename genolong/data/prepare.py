@@ -1,6 +1,6 @@
 """`prepare`: FASTA -> tokenized, split, memory-mapped records plus manifest.json, written atomically.
 
-Everything is written into `DIR.tmp-XXXX` beside the output and renamed to `DIR` only when
+Everything is written into `.DIR.tmp-XXXX` beside the output and renamed to `DIR` only when
 complete (manifest.json last), so an interrupted or failed run never leaves a `DIR` that looks
 finished. Memory holds at most two requested records: one being encoded, one being written.
 """
@@ -26,6 +26,7 @@ from genolong.data.fasta import FastaIndex, FastaSource, open_stream, parse_head
 from genolong.data.fasta import records as fasta_records
 from genolong.data.splits import candidates, check_requested, parse_names, resolve
 from genolong.errors import GenolongError
+from genolong.staging import staging_dir, write_error
 
 DEFAULT_TRAIN = "chr1,chr2"
 DEFAULT_HOLDOUT = "chr22"
@@ -288,13 +289,6 @@ def _same_preparation(out: Path, source, requested: dict[str, list[str]]) -> str
     return None
 
 
-def _write_error(out: Path, err: OSError) -> GenolongError:
-    return GenolongError(
-        f"could not write the output {str(out)!r} ({err.strerror or err}): "
-        "check free disk space and permissions there, or choose another --out"
-    )
-
-
 def prepare(
     fasta: str | os.PathLike,
     out: str | os.PathLike,
@@ -330,17 +324,10 @@ def prepare(
     _check_out(out, overwrite)
     source = sniff(fasta)
     index = FastaIndex.load(source)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
-    except OSError as err:
-        raise _write_error(out, err) from None
-    # Everything after mkdtemp is inside the try, so an interrupt at any point removes `tmp`.
+    tmp = staging_dir(out)
+    # Everything after it is inside the try, so an interrupt at any point removes `tmp`.
     hasher = None
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should not be
         hasher = _Hasher(source.path)
         hasher.start()
         scratch = tmp / "_records"
@@ -373,7 +360,7 @@ def prepare(
         _install(tmp, out, overwrite)
     except OSError as err:
         # Reading errors are GenolongErrors already (fasta.read_checked); this is the output side.
-        raise _write_error(out, err) from None
+        raise write_error(out, err) from None
     finally:
         if hasher is not None:
             hasher.stop()

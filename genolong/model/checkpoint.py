@@ -38,6 +38,7 @@ from genolong.errors import GenolongError
 from genolong.model import fp8, hf_config
 from genolong.model.config import ModelConfig
 from genolong.model.vocab import dna_tokenizer
+from genolong.staging import settle_permissions, staging_dir
 from genolong.vocab import DNA_MODEL_VOCAB_SIZE
 
 log = logging.getLogger(__name__)
@@ -386,7 +387,6 @@ def save_pretrained(
     a `model.safetensors.index.json`, as transformers does. Tensors keep their dtype.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = disk_tensors(model)
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
@@ -399,7 +399,7 @@ def save_pretrained(
         size += nbytes
     total = sum(t.numel() * t.element_size() for _, t in tensors)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = staging_dir(path)
     try:
         source = getattr(model, "hf_source_config", None)
         config = hf_config.to_hf(model.config, dtype=_dtype_name(model), source=source)
@@ -427,6 +427,7 @@ def save_pretrained(
         elif model.config.vocab_size == DNA_MODEL_VOCAB_SIZE:
             # A DNA-vocabulary model carries its own base-to-id mapping.
             (tmp / "tokenizer.json").write_text(json.dumps(dna_tokenizer()) + "\n", encoding="utf-8")
+        settle_permissions(tmp)  # safetensors writes 0600: an exported model is for others to read too
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.rename(path, old / "ckpt")

@@ -162,14 +162,19 @@ def load_optimizer_state(ckpt: Path, device: str | torch.device = "cpu") -> dict
     return load_file(ckpt / OPTIMIZER_FILE, device=str(device))
 
 
-def check_run_dir(run_dir: str | Path) -> Path:
-    """The latest complete checkpoint of a run directory, or GenolongError saying what is wrong."""
+def check_run_dir(run_dir: str | Path, flag: str = "--resume") -> Path:
+    """The latest complete checkpoint of a run directory, or GenolongError saying what is wrong.
+
+    `flag` is the option that named the directory: --resume (continue the run) or export's --run.
+    """
     run = Path(run_dir)
     if not run.is_dir():
-        raise GenolongError(f"--resume {run_dir}: no such directory; pass the --out directory of an earlier finetune run")
+        raise GenolongError(f"{flag} {run_dir}: no such directory; pass the --out directory of an earlier finetune run")
     if not (run / OPTIONS_FILE).is_file():
-        raise GenolongError(f"--resume {run_dir}: not a genolong run (no {OPTIONS_FILE}); pass the --out directory of a finetune run")
+        raise GenolongError(f"{flag} {run_dir}: not a genolong run (no {OPTIONS_FILE}); pass the --out directory of a finetune run")
     ckpt = latest(run)
+    if ckpt is None and flag != "--resume":
+        raise GenolongError(f"{flag} {run_dir}: the run has no complete checkpoint (it stopped before its first save), so there is nothing to read")
     if ckpt is None:
         raise GenolongError(
             f"--resume {run_dir}: the run has no complete checkpoint (it stopped before its first save), so there is nothing to continue; "

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from genolong.errors import GenolongError
+from genolong.staging import settle_permissions, staging_dir, write_error
 from genolong.parallel import checkpoint as dist_ckpt
 from genolong.train import checkpoint as ckpt_io
 
 
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     """The complete checkpoint `step` of a run (None: the latest), or a one-line GenolongError."""
-    latest = ckpt_io.check_run_dir(run_dir)
+    latest = ckpt_io.check_run_dir(run_dir, flag="--run")
     if step is None:
         return latest
     found = {int(p.name.removeprefix("step_")): p for p in ckpt_io.complete_checkpoints(run_dir)}
@@ -49,8 +49,12 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
 
     ckpt = find_checkpoint(run_dir, step)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise GenolongError(f"--out {out} is a file; pass a new directory for the exported checkpoint")
     if out.exists() and any(out.iterdir()):
         raise GenolongError(f"--out {out} exists and is not empty; pick a new directory (nothing is overwritten)")
+    if out.resolve().is_relative_to(ckpt.resolve()):
+        raise GenolongError(f"--out {out} is inside the checkpoint it exports ({ckpt}); pass a directory outside the run's checkpoints")
     if not dist_ckpt.is_distributed(ckpt):
         _copy_tree(ckpt / ckpt_io.MODEL_DIR, out)
         return out
@@ -64,13 +68,15 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
 
 
 def _copy_tree(source: Path, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = staging_dir(out)
     try:
-        shutil.copytree(source, tmp / "model")
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        settle_permissions(tmp)
         if out.exists():
             out.rmdir()
-        os.rename(tmp / "model", out)
+        os.rename(tmp, out)
+    except OSError as err:
+        raise write_error(out, err) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -199,7 +199,7 @@ def test_sigterm_mid_run_leaves_no_output(tmp_path):
         text=True,
     )
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob("out.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
