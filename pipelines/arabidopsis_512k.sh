@@ -66,10 +66,10 @@ stage "3/4 stage 2: the stage-1 model at $SEQ tokens per sequence, $STEPS steps 
 finetune_or_resume "$RUN" "$STEPS" --model "$BASELINE" --seq "$SEQ" --lr 1e-4 --warmup 10 --save-every 20 $FINETUNE_FLAGS
 
 stage "4/4 held-out loss by position on chromosome 2, stage 2 vs stage 1 -> $EVAL"
-$G eval-positional --data "$DATA" --checkpoint "$RUN" --baseline "$BASELINE" \
+$G eval-positional $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUN" --baseline "$BASELINE" \
     --seq "$SEQ" --bucket "$BUCKET" --control-context "$CONTROL" --bootstrap 1000 --seed 0 \
     ${MAX_WINDOWS:+--max-windows "$MAX_WINDOWS"} $EVAL_FLAGS --out "$EVAL"
 
 stage "done"
 echo "plot: $EVAL/positional.png  tables: $EVAL/positional.csv, $EVAL/positional.json"
-echo "notebook: GENOLONG_RUNS=$RUN GENOLONG_EVALS=$EVAL jupyter nbconvert --execute --to html notebooks/analysis.ipynb"
+echo "notebook: GENOLONG_RUNS=$RUN GENOLONG_EVALS=$EVAL .venv/bin/jupyter execute notebooks/analysis.ipynb --output=analysis-$TAG"

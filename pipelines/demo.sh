@@ -15,7 +15,8 @@
 #
 # Interrupted (Ctrl-C, a closed laptop, out of memory)? Run it again: finished stages are skipped,
 # a stopped training stage continues from its last checkpoint (or starts again if it had none),
-# and the evaluation continues from its partial results.
+# and the evaluation continues from its partial results. Run again with more SHORT_STEPS, stage 1
+# trains on, stage 2 starts again from the new model and the evaluation is redone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,8 +53,8 @@ stage "3/4 stage 2: the same model at $LONG_SEQ bases per sequence, $LONG_STEPS 
 finetune_or_resume "$LONG" "$LONG_STEPS" --model "$BASE" --seq "$LONG_SEQ" \
     --lr 1e-3 --warmup 2 --save-every 10 --no-recompute --no-offload
 
-stage "4/4 held-out loss by position on lambda, stage 2 vs stage 1 ($MAX_WINDOWS windows of $LONG_SEQ) -> $EVAL"
-$G eval-positional --data "$DATA" --checkpoint "$LONG" --baseline "$BASE" \
+stage "4/4 held-out loss by position on lambda, stage 2 vs stage 1 (up to $MAX_WINDOWS windows of $LONG_SEQ) -> $EVAL"
+$G eval-positional $(overwrite_if_changed) --data "$DATA" --checkpoint "$LONG" --baseline "$BASE" \
     --seq "$LONG_SEQ" --bucket "$BUCKET" --max-windows "$MAX_WINDOWS" --bootstrap 1000 --out "$EVAL"
 
 stage "done"

@@ -5,11 +5,13 @@
 # Documented and checked for syntax in CI; not run there.
 #
 #   bash pipelines/hg38_512k.sh                          # glm53-mini, two stages (see below)
-#   GLM_CKPT=/models/glm-5.3-flash bash pipelines/hg38_512k.sh   # fine-tune a transformers glm5_next checkpoint
+#   GLM_CKPT=/models/my-glm5-next bash pipelines/hg38_512k.sh   # fine-tune a transformers glm5_next checkpoint that fits
+#                                    # one GPU (`genolong plan`; glm-5.3-flash itself needs many: docs/parallel.md)
 #
 # Every stage is skipped when its output is already complete, so rerunning after an interruption
 # continues (finetune with --resume, or --overwrite when it stopped before its first checkpoint;
-# eval-positional from its partial file).
+# eval-positional from its partial file). Raised STAGE1_STEPS retrains stage 2 from the new stage-1
+# model and evaluates again (pipelines/lib.sh).
 #
 # Settings (environment): FASTA (default data/hg38.fa.gz, downloaded from UCSC if missing: the
 # soft-masked assembly, so repeats are kept as a mask), GLM_CKPT, STEPS (80), STAGE1_STEPS (400),
@@ -56,9 +58,9 @@ fi
 finetune_or_resume "$RUN" "$STEPS" "${START[@]}" --seq 512k --lr 1e-4 --warmup 10 --save-every 20
 
 # 4. Held-out loss by position: chr22 tiled into 512k windows, 32k buckets, 32k control.
-$G eval-positional --data "$DATA" --checkpoint "$RUN" --baseline "$BASELINE" \
+$G eval-positional $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUN" --baseline "$BASELINE" \
     --seq 512k --bucket 32k --control-context 32k --bootstrap 1000 --seed 0 \
     ${MAX_WINDOWS:+--max-windows "$MAX_WINDOWS"} --out "$EVAL"
 
 echo "plot: $EVAL/positional.png  tables: $EVAL/positional.csv, $EVAL/positional.json"
-echo "notebook: GENOLONG_RUNS=$RUN GENOLONG_EVALS=$EVAL jupyter nbconvert --execute --to html notebooks/analysis.ipynb"
+echo "notebook: GENOLONG_RUNS=$RUN GENOLONG_EVALS=$EVAL .venv/bin/jupyter execute notebooks/analysis.ipynb --output=analysis-$TAG"
