@@ -30,7 +30,7 @@ CHANGED=0
 finetune_or_resume() {
     local run=$1 steps=$2
     shift 2
-    local start="" prev="" arg
+    local start="" prev="" arg fresh=0
     for arg in "$@"; do
         if [ "$prev" = "--model" ] && [ -f "$arg/SOURCE" ]; then start=$(cat "$arg/SOURCE"); fi
         prev=$arg
@@ -38,7 +38,7 @@ finetune_or_resume() {
     if [ -n "$start" ] && [ -f "$run/START_MODEL" ] && [ "$(cat "$run/START_MODEL")" != "$start" ]; then
         echo "$run: started from $(cat "$run/START_MODEL"), but its --model is now $start; training it again"
         $G finetune --data "$DATA" --steps "$steps" --out "$run" --overwrite "$@"
-        CHANGED=1
+        CHANGED=1 fresh=1
     elif [ -f "$run/checkpoints/$(printf 'step_%08d' "$steps")/COMPLETE" ]; then
         echo "$run: finished ($steps steps), skipped"
     elif compgen -G "$run/checkpoints/step_*/COMPLETE" > /dev/null; then
@@ -48,12 +48,13 @@ finetune_or_resume() {
     elif [ -f "$run/options.json" ]; then
         echo "$run: interrupted before its first checkpoint; starting it again"
         $G finetune --data "$DATA" --steps "$steps" --out "$run" --overwrite "$@"
-        CHANGED=1
+        CHANGED=1 fresh=1
     else
         $G finetune --data "$DATA" --steps "$steps" --out "$run" "$@"
-        CHANGED=1
+        CHANGED=1 fresh=1
     fi
-    if [ -n "$start" ] && [ -d "$run" ]; then echo "$start" > "$run/START_MODEL"; fi
+    # Only a run started in this call knows its start (one made by an older pipeline does not).
+    if [ -n "$start" ] && [ "$fresh" = 1 ] && [ -d "$run" ]; then echo "$start" > "$run/START_MODEL"; fi
 }
 
 # model_of RUN STEPS DEST: the run's model at step STEPS as a model directory (what `finetune --model`

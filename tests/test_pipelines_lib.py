@@ -85,17 +85,30 @@ def test_model_of_copies_once_and_replaces_a_copy_of_other_weights(tmp_path, run
 def test_a_stage_started_from_a_since_replaced_model_trains_again(tmp_path, run):
     stage1, start = tmp_path / "stage1", tmp_path / "start-model"
     _model(stage1, 4, b"v1")
-    # The first pass: the copy, then stage 2 from it (a finished run, as the fake genolong makes none).
+    # The first pass: the copy, then stage 2 started from it (the fake genolong makes no run
+    # directory: made here, as finetune would, then finished).
     _lib(f"model_of {stage1} 4 {start}")
     run.mkdir()
+    lines = _lib(f"finetune_or_resume {run} 3 --model {start}; echo changed=$CHANGED")
+    assert lines == [f"genolong finetune --data data/x --steps 3 --out {run} --model {start}", "changed=1"]
+    assert (run / "START_MODEL").read_text() == (start / "SOURCE").read_text()
     (run / "options.json").write_text("{}")
     _checkpoint(run, 3)
-    lines = _lib(f"finetune_or_resume {run} 3 --model {start}; echo changed=$CHANGED")
-    assert lines == [f"{run}: finished (3 steps), skipped", "changed=0"]
-    assert (run / "START_MODEL").read_text() == (start / "SOURCE").read_text()
+    assert _lib(f"finetune_or_resume {run} 3 --model {start}; echo changed=$CHANGED") == [f"{run}: finished (3 steps), skipped", "changed=0"]
     # Stage 1 trained on: its copy is replaced, and stage 2 starts again from it.
     _model(stage1, 8, b"v2")
     lines = _lib(f"model_of {stage1} 8 {start}; finetune_or_resume {run} 3 --model {start}; echo changed=$CHANGED")
     assert "training it again" in lines[1]
     assert lines[2] == f"genolong finetune --data data/x --steps 3 --out {run} --overwrite --model {start}" and lines[3] == "changed=1"
     assert "step 8" in (run / "START_MODEL").read_text()
+
+
+def test_a_run_of_an_older_pipeline_is_not_given_a_start_it_may_not_have_had(tmp_path, run):
+    start = tmp_path / "start-model"
+    _model(tmp_path / "stage1", 4, b"v1")
+    _lib(f"model_of {tmp_path / 'stage1'} 4 {start}")
+    run.mkdir()
+    (run / "options.json").write_text("{}")
+    _checkpoint(run, 3)
+    assert _lib(f"finetune_or_resume {run} 3 --model {start}") == [f"{run}: finished (3 steps), skipped"]
+    assert not (run / "START_MODEL").exists()
