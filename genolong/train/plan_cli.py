@@ -4,7 +4,7 @@
     genolong plan --seq 512k --preset glm53-mini --no-offload
     genolong plan --seq 32k --preset glm53-mini --baseline
     genolong plan --seq 4k --preset tiny --device cpu
-    genolong plan --seq 1M --preset glm-5.3-flash --parallel cp=32,ep=2 --fsdp --gpu-type b200 --node-ram-gib 2048
+    genolong plan --seq 1M --preset glm-5.3-flash --parallel cp=32,ep=2 --fsdp --gpu-type b200 --node-ram-gib 2048 --moe-chunk 16k
     genolong plan --seq 1M --preset glm-5.3-flash --gpus 64 --suggest --gpu-type b200 --moe-chunk 16k
 
 Prints the same itemised estimate that `genolong finetune` checks before allocating (per GPU,
