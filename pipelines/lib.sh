@@ -23,7 +23,7 @@ CHANGED=0
 
 # finetune_or_resume RUN STEPS ARGS...: run `genolong finetune ... --steps STEPS --out RUN ARGS`,
 # or, after an interruption, continue it: resume from its last complete checkpoint (the run keeps
-# its own options; --steps may raise its length), start it again with --overwrite when it stopped
+# its own options, ARGS must agree with them; --steps may raise its length), start it again with --overwrite when it stopped
 # before its first checkpoint, or skip it when it has finished. A run that starts from a model_of
 # copy (`--model DIR`) remembers which (DIR/SOURCE, in RUN/START_MODEL): when that copy has since
 # been refreshed (an earlier stage trained further), the run starts again from the new one. Needs DATA.
@@ -43,7 +43,9 @@ finetune_or_resume() {
         echo "$run: finished ($steps steps), skipped"
     elif compgen -G "$run/checkpoints/step_*/COMPLETE" > /dev/null; then
         echo "$run: interrupted earlier; continuing from its last complete checkpoint"
-        $G finetune --resume "$run" --steps "$steps"
+        # The stage's flags too: those of this invocation (--no-progress, --launcher, ...) apply, the
+        # run's own must equal what it was started with (finetune names one that differs).
+        $G finetune --resume "$run" --steps "$steps" "$@"
         CHANGED=1
     elif [ -f "$run/options.json" ]; then
         echo "$run: interrupted before its first checkpoint; starting it again"

@@ -46,11 +46,11 @@ def test_a_run_with_a_checkpoint_continues_and_a_finished_one_is_skipped(tmp_pat
     run.mkdir()
     (run / "options.json").write_text("{}")
     _checkpoint(run, 2)
-    assert _stage(tmp_path, run)[-1] == f"genolong finetune --resume {run} --steps 4"
+    assert _stage(tmp_path, run)[-1] == f"genolong finetune --resume {run} --steps 4 --preset tiny"
     _checkpoint(run, 4)
     assert _stage(tmp_path, run) == [f"{run}: finished (4 steps), skipped"]
     # A longer run asked for later continues the finished one.
-    assert _stage(tmp_path, run, steps=6)[-1] == f"genolong finetune --resume {run} --steps 6"
+    assert _stage(tmp_path, run, steps=6)[-1] == f"genolong finetune --resume {run} --steps 6 --preset tiny"
 
 
 def _lib(script):
