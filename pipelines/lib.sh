@@ -42,7 +42,7 @@ finetune_or_resume() {
     elif [ -f "$run/checkpoints/$(printf 'step_%08d' "$steps")/COMPLETE" ]; then
         echo "$run: finished ($steps steps), skipped"
     elif compgen -G "$run/checkpoints/step_*/COMPLETE" > /dev/null; then
-        echo "$run: interrupted earlier; continuing from its last complete checkpoint"
+        echo "$run: not at step $steps yet (interrupted, or asked for more steps); continuing from its last complete checkpoint"
         # The stage's flags too: those of this invocation (--no-progress, --launcher, ...) apply, the
         # run's own must equal what it was started with (finetune names one that differs).
         $G finetune --resume "$run" --steps "$steps" "$@"
