@@ -198,10 +198,11 @@ SUPER = 8
 # Longest row of super-group maxima the group selection holds in registers (4M tokens at kpool 4, G 8).
 MAX_SUPER_GROUPS = 16384
 # The in-register top-k of the two selection kernels, by name: (uint32 keys with the early stop, warps).
-# "wide" (int64 keys, 32 steps, 4 warps) is the one measured on the H200 (eighteenth session);
-# GENOLONG_INDEXER_TOP picks another for a side-by-side run. Every build selects the same entries.
+# "narrow" is the default since 2026-12-05 (with the router's top-k kernel, a 128k step 6.50 -> 6.31 s
+# on an H100; benchmarks/RESULTS.md, twenty-second session); "wide" (int64 keys, 32 steps) is the
+# build before it, kept for side-by-side runs (GENOLONG_INDEXER_TOP). Every build selects the same entries.
 TOP_BUILDS = {"wide": (False, 4), "narrow": (True, 4), "narrow8": (True, 8)}
-TOP_DEFAULT = "wide"
+TOP_DEFAULT = "narrow"
 ENV_TOP = "GENOLONG_INDEXER_TOP"
 
 

@@ -9,10 +9,11 @@ one read of the scores, one write of the indices.
 Selection: the k largest scores of each row, ties to the lower expert index, in descending
 order of score. NaN counts as +inf (torch.topk ranks NaN above everything; a router that makes
 NaN has already diverged). It is reached through the custom op `torch.ops.genolong.router_topk`,
-which the compiled router (genolong/train/compile.py) calls when GENOLONG_ROUTER_TOPK=triton;
-off CUDA, or for shapes the kernel does not take, the op runs `torch.topk`. Built, checked in
-Triton's interpreter and for sm_90 on the CPU; not yet timed on a GPU (2026-12-05), so the
-default stays torch.topk.
+which the compiled router (genolong/train/compile.py) calls unless GENOLONG_ROUTER_TOPK=torch;
+off CUDA, or for shapes the kernel does not take, the op runs `torch.topk`. Checked in Triton's
+interpreter, for sm_90 on the CPU and on an H100 against torch.topk (tests/gpu/test_fastops.py); the
+default since 2026-12-05, when it and the indexer's narrow top-k took a 128k step from 6.50 to 6.31 s
+on an H100 (benchmarks/RESULTS.md, twenty-second session).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from genolong.errors import GenolongError
 
 ENV = "GENOLONG_ROUTER_TOPK"
 SETTINGS = ("torch", "triton")
-DEFAULT = "torch"
+DEFAULT = "triton"
 MAX_EXPERTS = 1024  # one row's scores held in registers
 MAX_K = 16
 
 
 def setting() -> str:
-    """GENOLONG_ROUTER_TOPK: "torch" (default; torch.topk) or "triton" (this kernel)."""
+    """GENOLONG_ROUTER_TOPK: "triton" (default; this kernel, on CUDA) or "torch" (torch.topk)."""
     value = os.environ.get(ENV, DEFAULT)
     if value not in SETTINGS:
         raise GenolongError(f"{ENV}={value!r} is not one of {', '.join(SETTINGS)}; unset it for {DEFAULT!r}")

@@ -99,7 +99,7 @@ def finetune(
         bool,
         typer.Option("--keep-moe/--no-keep-moe", help="Under recompute, keep each chunked MoE's output from the forward: two MoE "
                                                      "forwards a step instead of three, for hidden x 2 bytes a token and MoE layer "
-                                                     "where --keep-sparse keeps (opt-in: not yet measured on a GPU).", rich_help_panel=_MEM),
+                                                     "where --keep-sparse keeps (opt-in: -0.14 s of a 6.5 s 128k step on an H100; +5 GiB pinned at 128k, +21 at 512k).", rich_help_panel=_MEM),
     ] = False,
     mhc_low_precision: Annotated[
         bool, typer.Option("--mhc-low-precision/--no-mhc-low-precision", help="mHC projection without an fp32 input copy.", rich_help_panel=_MEM)

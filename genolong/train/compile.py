@@ -17,9 +17,9 @@ times. Regions:
 - mHC expand (`HyperConnection.expand`): post * out + comb^T streams, likewise fused.
 - `RMSNorm`, `GatedRMSNorm`, the MoE `Router` (sigmoid scores, bias, top-k, normalisation),
   the dense SwiGLU MLP (also the MoE's shared expert; its GEMMs stay cuBLAS calls). With
-  GENOLONG_ROUTER_TOPK=triton the router's top-k is `torch.ops.genolong.router_topk`
-  (genolong/kernels/router_topk.py: one Triton pass instead of torch.topk's radix select; opt-in
-  until timed on a GPU).
+  the router's top-k is `torch.ops.genolong.router_topk` (genolong/kernels/router_topk.py: one
+  Triton pass instead of torch.topk's radix select; the default on CUDA since 2026-12-05,
+  GENOLONG_ROUTER_TOPK=torch goes back to torch.topk).
 
 The token dimension is marked dynamic, so a new sequence length (or the last, shorter MoE
 chunk) reuses the graphs instead of compiling again. Compiled regions sit inside the layer, so
@@ -239,8 +239,8 @@ class CompiledDenseMLP(DenseMLP):
 
 def _router_topk_triton(x: torch.Tensor) -> bool:
     """Whether the compiled router picks its experts with genolong/kernels/router_topk.py's kernel:
-    GENOLONG_ROUTER_TOPK=triton on CUDA (read at each call, so one process can time both)."""
-    if not x.is_cuda or os.environ.get("GENOLONG_ROUTER_TOPK", "torch") == "torch":
+    on CUDA unless GENOLONG_ROUTER_TOPK=torch (read at each call, so one process can time both)."""
+    if not x.is_cuda or os.environ.get("GENOLONG_ROUTER_TOPK") == "torch":
         return False
     from genolong.kernels import router_topk  # registers torch.ops.genolong.router_topk
 

@@ -88,7 +88,7 @@ def test_top_build_is_read_from_the_environment(monkeypatch):
     from genolong.kernels import indexer_triton as it
 
     monkeypatch.delenv(it.ENV_TOP, raising=False)
-    assert it.top_build() == it.TOP_DEFAULT == "wide"
+    assert it.top_build() == it.TOP_DEFAULT == "narrow"
     monkeypatch.setenv(it.ENV_TOP, "narrow8")
     assert it._top_options(None) == dict(NARROW=True, num_warps=8)
     assert it._top_options("wide") == dict(NARROW=False, num_warps=4)  # an explicit build wins

@@ -71,9 +71,9 @@ def test_setting_is_read_from_the_environment(monkeypatch):
     from genolong.kernels import router_topk
 
     monkeypatch.delenv(router_topk.ENV, raising=False)
-    assert router_topk.setting() == "torch"
-    monkeypatch.setenv(router_topk.ENV, "triton")
     assert router_topk.setting() == "triton"
+    monkeypatch.setenv(router_topk.ENV, "torch")
+    assert router_topk.setting() == "torch"
     monkeypatch.setenv(router_topk.ENV, "fused")
     with pytest.raises(GenolongError, match="GENOLONG_ROUTER_TOPK='fused' is not one of torch, triton"):
         router_topk.setting()
