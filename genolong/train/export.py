@@ -76,7 +76,30 @@ def _copy_tree(source: Path, out: Path) -> None:
             out.rmdir()
         os.rename(tmp, out)
     except OSError as err:
+        unreadable = _unreadable_source(source, err)
+        if unreadable is not None:
+            raise GenolongError(
+                f"--run: could not read {unreadable} of the checkpoint being exported; check its permissions "
+                "(or that the run's disk is mounted), or export another --step"
+            ) from None
         raise write_error(out, err) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unreadable_source(source: Path, err: OSError) -> str | None:
+    """The checkpoint file behind a failed copy when the failure was reading it (None: writing).
+
+    copytree reports a file's failure as shutil.Error, a list of (source, destination, reason) for
+    every file that failed; any other OSError names the path it was about. A source path that this
+    process cannot read is a read failure, whatever the reason's text says.
+    """
+    if isinstance(err, shutil.Error) and err.args and isinstance(err.args[0], list):
+        paths = [entry[0] for entry in err.args[0] if isinstance(entry, tuple) and entry]
+    else:
+        paths = [err.filename] if err.filename is not None else []
+    for path in map(Path, paths):
+        if path.resolve().is_relative_to(source.resolve()) and not os.access(path, os.R_OK):
+            return repr(str(path))
+    return None
 

@@ -68,3 +68,55 @@ def test_export_errors_name_its_own_flag(tmp_path):
     not_run.mkdir()
     with pytest.raises(GenolongError, match=r"^--run .*not a genolong run"):
         export(not_run, tmp_path / "out")
+
+
+
+def _unreadable(monkeypatch, *locked):
+    """Make `locked` unreadable to export as they would be without read permission (this may run as root)."""
+    import genolong.train.export as export_module
+
+    real_access = os.access
+    locked = {str(p) for p in locked}
+    monkeypatch.setattr(export_module.os, "access", lambda path, mode: str(path) not in locked and real_access(path, mode))
+
+
+def test_export_names_an_unreadable_checkpoint_file_as_a_read_error(run, tmp_path, monkeypatch):
+    import shutil
+
+    weights = sorted((sorted((run / "checkpoints").iterdir())[-1] / "model").glob("*.safetensors"))[0]
+    _unreadable(monkeypatch, weights)
+    real_copy2 = shutil.copy2
+
+    def copy2(src, dst, **kw):
+        if str(src) == str(weights):
+            raise PermissionError(13, "Permission denied", str(src))
+        return real_copy2(src, dst, **kw)
+
+    real_copytree = shutil.copytree  # its copy_function default was bound when shutil was imported
+    monkeypatch.setattr(shutil, "copytree", lambda src, dst, **kw: real_copytree(src, dst, copy_function=copy2, **kw))
+    with pytest.raises(GenolongError, match=r"^--run: could not read .*safetensors"):
+        export(run, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []  # neither the output nor its staging directory is left
+
+
+def test_unreadable_source_tells_reading_from_writing(tmp_path, monkeypatch):
+    import shutil
+
+    from genolong.train.export import _unreadable_source
+
+    src = tmp_path / "src"
+    src.mkdir()
+    locked, readable = src / "w.safetensors", src / "config.json"
+    locked.write_text("x")
+    readable.write_text("{}")
+    _unreadable(monkeypatch, locked)
+    many = shutil.Error([(str(readable), str(tmp_path / "o" / "config.json"), "disk full"), (str(locked), str(tmp_path / "o" / "w"), "denied")])
+    assert _unreadable_source(src, many) == repr(str(locked))
+    assert _unreadable_source(src, shutil.Error([(str(readable), "d", "No space left on device")])) is None
+    assert _unreadable_source(src, PermissionError(13, "denied", str(locked))) == repr(str(locked))
+    assert _unreadable_source(src, OSError(28, "No space left on device", str(tmp_path / "out" / "x"))) is None
+    # A path outside the checkpoint is never the checkpoint's fault.
+    outside = tmp_path / "elsewhere"
+    outside.write_text("y")
+    _unreadable(monkeypatch, outside)
+    assert _unreadable_source(src, PermissionError(13, "denied", str(outside))) is None
