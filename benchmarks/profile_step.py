@@ -8,7 +8,7 @@ Writes <out>/kernels.txt (CUDA kernels by total time), <out>/categories.json (ti
 work: the kernel-name patterns below), <out>/gaps.json (the compute stream's idle gaps and their
 causes: trace_gaps.py; "busy" in kernels.txt sums every stream, the offload copies included),
 with --sync-census <out>/sync_census.json (one more step's host syncs by call site: sync_census.py),
-with --sites-seq <out>/sites.json (one more, shorter step's kernels by the genolong line or backward
+with --sites-seq <out>/sites.json (after a warm-up step at that length, one more, shorter step's kernels by the genolong line or backward
 node that launched them: op_sites.py), and prints them. The MFU target is judged against this.
 """
 
@@ -126,6 +126,9 @@ def main() -> None:
     if args.sites_seq:
         # A shorter step: the same operators and call sites, a trace small enough to read with stacks.
         short = parse_length(args.sites_seq)
+        # One unprofiled step at that length first: a new length can set off kernel builds and autotuning
+        # (the 2026-12-05 H100 run's untouched 64k step: 1.85 s of Triton's timing fills, 76% of its kernels).
+        bench.step(bench.window(short, 10))
         rows = profile_sites(lambda: bench.step(bench.window(short, 9)), args.out)
         print(f"\nkernels by launch site, one {args.sites_seq} step (sites.json):")
         print(report_sites(rows))
