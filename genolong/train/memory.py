@@ -175,6 +175,8 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
 
 
 def _apply_offload(handle: MemoryHandle, model: torch.nn.Module, opts: MemoryOptions) -> None:
+    body = decoder_body(model)
+    opts.check_layers(len(body.layers))
     budgeted = opts.offload_layers is None
     handle.offloader = HostOffloader(
         layers=() if budgeted else range(opts.offload_layers),
@@ -182,7 +184,6 @@ def _apply_offload(handle: MemoryHandle, model: torch.nn.Module, opts: MemoryOpt
         overlap=opts.offload_overlap,
         host_budget_bytes=int(opts.host_budget_gib * 2**30) if opts.host_budget_gib is not None else None,
     )
-    body = decoder_body(model)
     decide = OffloadBudget(body.config, opts) if budgeted else None
     for i in range(len(body.layers)):
         wrap(body.layers, str(i), Offload, handle.offloader, i, decide=decide if i == 0 else None)

@@ -126,6 +126,15 @@ class MemoryOptions:
                 raise GenolongError(f"{flag} must be a positive number of GiB, got {value}")
         return self
 
+    def check_layers(self, num_layers: int) -> MemoryOptions:
+        """Refuse an --offload-layers the model cannot take (it would be clamped: a typo goes unnoticed)."""
+        if self.offload and self.offload_layers is not None and self.offload_layers > num_layers:
+            raise GenolongError(
+                f"--offload-layers {self.offload_layers}: the model has {num_layers} layers; pass at most {num_layers}, "
+                "or leave it unset to offload as many as the GPU budget needs"
+            )
+        return self
+
     def keeps_moe(self) -> bool:
         """Whether the chunked MoE layers' outputs are kept for the recompute (genolong.train.keep_moe)."""
         return self.keep_moe and self.recompute and self.moe_chunking

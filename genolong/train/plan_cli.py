@@ -171,6 +171,7 @@ def plan(
         chunked_loss=chunked_loss,
     )
     config = get_preset(preset)
+    opts.check_layers(config.num_layers)
     console = Console()
     if not console.is_terminal:  # a pipe or a log: wide enough that the tables keep one line per row
         console = Console(width=160)

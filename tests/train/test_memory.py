@@ -327,3 +327,14 @@ def test_memory_flags_baseline_keeps_only_sizes_and_no_recompute_drops_offload()
     assert (plain.recompute, plain.offload, plain.loss_chunk_tokens) == (False, False, None)
     with pytest.raises(GenolongError, match="--moe-chunk"):
         MemoryOptions.from_flags(False, **{**flags, "moe_chunk": "lots"})
+
+
+def test_offload_layers_above_the_models_layers_are_refused_not_clamped():
+    config = get_preset("tiny")
+    model = GenoLongForCausalLM(config)
+    with pytest.raises(GenolongError, match=rf"^--offload-layers {config.num_layers + 1}: the model has {config.num_layers} layers"):
+        apply_memory_optimizations(model, MemoryOptions(offload_layers=config.num_layers + 1))
+    # All of them is fine, and so is any number without offload.
+    apply_memory_optimizations(GenoLongForCausalLM(config), MemoryOptions(offload_layers=config.num_layers))
+    apply_memory_optimizations(GenoLongForCausalLM(config), MemoryOptions(offload=False, recompute=False, offload_layers=99))
+

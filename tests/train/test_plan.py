@@ -368,6 +368,7 @@ def test_cpu_plan_reads_the_node_ram_it_is_given():
         (["--moe-skew", "nan"], "--moe-skew"),
         (["--grad-accum", "0"], "--grad-accum must be at least 1"),
         (["--gpu-gib", "0"], "--gpu-gib"),
+        (["--offload-layers", "46"], "--offload-layers 46: the model has 45 layers"),
     ],
 )
 def test_plan_refuses_non_finite_and_non_positive_sizes_in_one_line(args, named):
