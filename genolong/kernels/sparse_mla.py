@@ -61,11 +61,12 @@ ENV_SORT = "GENOLONG_SPARSE_MLA_SORT"  # "always": sort every row for the key-ch
 ENV_PACK = "GENOLONG_SPARSE_MLA_PACK"
 # "coalesced" (default): the backward's fp32 adds of dkv and dq's partial sums by tl.atomic_add, which
 # first moves each block through shared memory into a coalesced layout; "layout": added from the
-# products' own register layout, two columns an instruction (sparse_mla_triton._red_add_pairs; GPU only).
+# products' own register layout, two columns an instruction (sparse_mla_triton._red_add_pairs; GPU only;
+# H100, 2026-12-05: the 4-head backward 31% slower at 128k, 22% at 512k).
 ENV_RED = "GENOLONG_SPARSE_MLA_ADDS"
 # "off" (default): the timed launch configs are `candidates`' own; "candidates": v1's forward and
-# backward also time the split score products (`split_candidates`; nineteenth session, not yet
-# measured on a GPU), so a step can try them without pinning.
+# backward also time the split score products (`split_candidates`; nineteenth session; H100,
+# 2026-12-05: slower than the default configs at 4, 16 and 64 heads), so a step can try them without pinning.
 ENV_SPLIT = "GENOLONG_SPARSE_MLA_SPLIT"
 _DEFAULTS = {ENV_PACK: "on", ENV_RED: "coalesced", ENV_SPLIT: "off"}
 DKV_MODES = ("atomic", "keychunk", "grouped")
@@ -614,9 +615,9 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     Environment: GENOLONG_SPARSE_MLA=off declines (the next implementation, megatron-core's
     TileLang kernel, runs instead); GENOLONG_SPARSE_MLA_DKV picks the dkv mode,
     GENOLONG_SPARSE_MLA_FWD the forward's, GENOLONG_SPARSE_MLA_KEY_CHUNK the keys per chunk,
-    GENOLONG_SPARSE_MLA_PACK=off keeps q and dO apart in the backward; opt-in, not yet measured on
-    a GPU: GENOLONG_SPARSE_MLA_SPLIT=candidates also times the split score products,
-    GENOLONG_SPARSE_MLA_ADDS=layout adds the backward's fp32 sums in the products' layout (sm_90)."""
+    GENOLONG_SPARSE_MLA_PACK=off keeps q and dO apart in the backward; opt-in, measured slower on an
+    H100 (2026-12-05, docs/kernels.md): GENOLONG_SPARSE_MLA_SPLIT=candidates also times the split score
+    products, GENOLONG_SPARSE_MLA_ADDS=layout adds the backward's fp32 sums in the products' layout (sm_90)."""
     if os.environ.get(ENV_SWITCH, "on") == "off":
         raise KernelUnsupported(f"disabled by {ENV_SWITCH}=off")
     _common.require_cuda(q, kv, indices)
