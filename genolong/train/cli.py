@@ -163,23 +163,7 @@ def finetune(
     else:
         if data is None or out is None:
             raise GenolongError("finetune needs --data DIR and --out RUN_DIR (or --resume RUN_DIR to continue a run)")
-        memory = MemoryOptions.from_flags(
-            baseline,
-            recompute=recompute,
-            offload=offload,
-            moe_chunk=moe_chunk,
-            loss_chunk=loss_chunk,
-            offload_layers=offload_layers,
-            gpu_budget_gib=gpu_budget_gib,
-            host_budget_gib=host_budget_gib,
-            offload_pinned=pinned,
-            offload_overlap=overlap,
-            keep_sparse=keep_sparse,
-            moe_chunking=moe_chunking,
-            keep_moe=keep_moe,
-            mhc_low_precision=mhc_low_precision,
-            chunked_loss=chunked_loss,
-        )
+        memory = MemoryOptions.from_params(ctx.params, gpu_budget_gib=gpu_budget_gib, host_budget_gib=host_budget_gib)
         options = TrainOptions(
             data=str(Path(data).resolve()) if data else None,  # absolute: a resume from any directory finds it
             out=out,

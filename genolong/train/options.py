@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from genolong.errors import GenolongError
@@ -22,6 +23,9 @@ from genolong.units import parse_length
 KERNEL_CHOICES = ("auto", "fused", "reference")
 LAUNCHERS = ("local", "ray")
 KEEP_CHOICES = ("auto", "host", "device", "off")
+# The memory flags `finetune` and `plan` share, by their parameter names in both commands (MemoryOptions.from_params).
+MEMORY_PARAMS = ("baseline", "recompute", "offload", "moe_chunk", "loss_chunk", "offload_layers", "gpu_budget_gib", "host_budget_gib",
+                 "pinned", "overlap", "keep_sparse", "moe_chunking", "keep_moe", "mhc_low_precision", "chunked_loss")
 
 
 @dataclass
@@ -96,6 +100,12 @@ class MemoryOptions:
         if baseline:
             return cls.baseline(**sizes).validate()
         return cls(recompute=recompute, offload=offload and recompute, **switches, **sizes).validate()
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], **overrides: Any) -> MemoryOptions:
+        """from_flags over a command's parsed parameters (typer's ctx.params), `overrides` replacing some."""
+        flags = {name: params[name] for name in MEMORY_PARAMS} | overrides
+        return cls.from_flags(flags.pop("baseline"), offload_pinned=flags.pop("pinned"), offload_overlap=flags.pop("overlap"), **flags)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -40,6 +40,7 @@ EXIT_DOES_NOT_FIT = 3
 
 
 def plan(
+    ctx: typer.Context,
     seq: str = typer.Option("512k", "--seq", help="Tokens per sequence: 32k, 512k, 1M, ..."),
     preset: str = typer.Option("glm53-mini", "--preset", help="Model preset (glm-5.3-flash, glm53-mini, tiny)"),
     gpus: int | None = typer.Option(
@@ -153,23 +154,8 @@ def plan(
     seq_len = parse_length(seq, "--seq")
     if seq_len < 2:
         raise GenolongError(f"--seq must be at least 2 tokens (as finetune needs), got {seq_len}")
-    opts = MemoryOptions.from_flags(
-        baseline,
-        recompute=recompute,
-        offload=offload,
-        moe_chunk=moe_chunk,
-        loss_chunk=loss_chunk,
-        offload_layers=offload_layers,
-        gpu_budget_gib=gpu_budget_gib,
-        host_budget_gib=host_budget_gib,
-        offload_pinned=pinned,
-        offload_overlap=overlap,
-        keep_sparse=keep_sparse,
-        moe_chunking=moe_chunking,
-        keep_moe=keep_moe,
-        mhc_low_precision=mhc_low_precision,
-        chunked_loss=chunked_loss,
-    )
+    # The budgets as converted from the deprecated spellings above; every other flag as given.
+    opts = MemoryOptions.from_params(ctx.params, gpu_budget_gib=gpu_budget_gib, host_budget_gib=host_budget_gib)
     config = get_preset(preset)
     opts.check_layers(config.num_layers)
     console = Console()
