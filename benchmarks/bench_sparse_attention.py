@@ -51,8 +51,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import SIZES, measure  # noqa: E402
-from dkv_adds_probe import MODES as ADDS_MODES  # noqa: E402
-from dkv_adds_probe import dkv_adds, pair_keys  # noqa: E402
 
 import genolong.kernels as kernels  # noqa: E402
 from genolong.kernels import sparse_mla, sparse_mla_grouped, sparse_mla_triton  # noqa: E402
@@ -73,9 +71,6 @@ PROBES = ("probe-grouped-bwd", "probe-grouped-bwd-nodkv", "probe-keychunk-bwd", 
 # own layout (GENOLONG_SPARSE_MLA_ADDS=layout; default tl.atomic_add); -cfg: another pinned launch config, <HB>x<BN>x<warps>x<stages>, then
 # k<slices> for products split over the latent columns (Config.split_k), t for the slot-major form).
 PROBE_CONFIG = sparse_mla_triton.Config(16, 16, 4, 5)
-# The dkv adds alone (benchmarks/dkv_adds_probe.py): adds-{coalesced,layout,store}[-flat][-query]: 2 KiB of
-# fp32 per (query, key) pair of the cell's selection, in the key-chunked backward's order (-query: row by
-# row), from a tensor-core product's layout (-flat: a constant block, no layout change).
 PARITY_MODES = ("atomic", "keychunk", "grouped", "kcfwd")
 
 
@@ -114,16 +109,8 @@ def parse_probe(impl: str) -> tuple[str, str, int, sparse_mla_triton.Config, boo
     return parts[1], dkv_op, key_chunk, config, pack, adds
 
 
-def parse_adds(impl: str) -> tuple[str, str, str] | None:
-    """(mode, values, order) of an adds-<mode>[-flat][-query] cell; None for any other name."""
-    parts = impl.split("-")
-    if parts[0] != "adds" or len(parts) < 2 or parts[1] not in ADDS_MODES or not set(parts[2:]) <= {"flat", "query"}:
-        return None
-    return parts[1], "flat" if "flat" in parts else "mma", "query" if "query" in parts else "keychunk"
-
-
 def is_impl(impl: str) -> bool:
-    if impl in IMPLS + FWD_IMPLS + PROBES or parse_adds(impl):
+    if impl in IMPLS + FWD_IMPLS + PROBES:
         return True
     if kcfwd_chunk(impl) or forward_config(impl):
         return True
@@ -191,14 +178,13 @@ PRESETS = {
         ("128k", 16, "triton-keychunk"), ("128k", 64, "triton-grouped"), ("128k", 64, "triton-keychunk"),
         ("512k", 4, "triton-grouped"), ("512k", 4, "triton-keychunk")]),
     # The split score products (Config.split_k) and the adds in the products' layout
-    # (GENOLONG_SPARSE_MLA_ADDS=layout; nineteenth session, not yet run): each backward beside the
+    # (GENOLONG_SPARSE_MLA_ADDS=layout): each backward beside the
     # default backward, each forward beside the default's pinned config, at 4, 64 and 16 heads; the
     # default op last. Parity is tests/gpu/test_sparse_mla.py -k split (run with --skip-parity).
     "split-adds": dict(parity_modes="keychunk", cells=[
         ("128k", 4, "probe-keychunk-bwd"), ("128k", 4, "probe-keychunk-bwd-layout"),
-        # the dkv part: the packed backward without it, and its adds alone (is 2 KiB a pair at the ceiling?)
-        ("128k", 4, "probe-keychunk-bwd-nodkv"), ("128k", 4, "adds-coalesced"), ("128k", 4, "adds-layout"),
-        ("128k", 4, "adds-store"), ("128k", 4, "adds-coalesced-flat"), ("128k", 4, "adds-coalesced-query"),
+        # the dkv part: the packed backward without it
+        ("128k", 4, "probe-keychunk-bwd-nodkv"),
         ("128k", 4, "probe-keychunk-bwd-cfg16x16x4x5k4"), ("128k", 4, "probe-keychunk-bwd-layout-cfg16x16x4x5k4"),
         ("128k", 4, "triton-cfg16x32x8x5-fwd"), ("128k", 4, "triton-cfg16x32x8x5k8-fwd"),
         ("128k", 4, "triton-cfg16x32x4x5k4-fwd"), ("128k", 4, "triton-cfg16x16x4x5k4-fwd"),
@@ -307,11 +293,6 @@ def make_step(impl: str, seq: int, heads: int, idx: torch.Tensor, scale: float):
         qs, ks, vs = (torch.randn(1, heads, seq, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         dsd = torch.randn(1, heads, seq, 128, device=DEV, dtype=torch.bfloat16)
         return lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).backward(dsd)
-    if parse_adds(impl):
-        mode, values, order = parse_adds(impl)
-        keys = pair_keys(idx, order, sparse_mla.KEY_CHUNK)
-        dkv = torch.zeros(seq, LATENT, device=DEV, dtype=torch.float32)
-        return lambda: dkv_adds(keys, dkv, mode=mode, values=values)
     if impl == "probe-pack":
         group = sparse_mla.candidates("fwd_grouped", heads, LATENT)[0].query_group
         flat = idx[0]
@@ -391,8 +372,7 @@ def main() -> None:
     unknown = {i for _, _, i in cells if not is_impl(i)}
     if unknown:
         sys.exit(f"unknown implementations {sorted(unknown)}; known: {', '.join(IMPLS + FWD_IMPLS + PROBES)}, "
-                 "triton-kcfwd<keys>-fwd, triton-cfg<HB>x<BN>x<warps>x<stages>-fwd, probe-{keychunk,atomic,grouped}-bwd[-...], "
-                 "adds-{coalesced,layout,store}[-flat][-query]")
+                 "triton-kcfwd<keys>-fwd, triton-cfg<HB>x<BN>x<warps>x<stages>-fwd, probe-{keychunk,atomic,grouped}-bwd[-...]")
     jsonl = (args.out / "bench.jsonl").open("a")
     rows = []
 
@@ -436,8 +416,6 @@ def main() -> None:
             row = dict(kind="time", size=size, heads=heads, impl=impl, ms=round(ms, 2), peak_gib=round(peak, 2))
             if impl in IMPLS:
                 row["useful_tflops"] = round(useful_tflop(impl, seq, heads, idx.shape[-1], ms), 1)
-            if parse_adds(impl):  # fp32 bytes added (or stored) a second
-                row["tb_per_s"] = round(int((idx >= 0).sum()) * LATENT * 4 / (ms * 1e-3) / 1e12, 2)
             log(row)
         except Exception as why:  # out of memory or a failing kernel: record it and go on
             log(dict(kind="error", size=size, heads=heads, impl=impl, error=f"{type(why).__name__}: {str(why)[:300]}"))
