@@ -5,7 +5,7 @@ version, their time split by stage, v2's pass-1 tile shapes, and their selection
 
 Cases at each --sizes length (forward only: the indexer is frozen; glm53-mini's 4 x 128 heads,
 or --heads 32 for GLM-5.3-Flash's):
-- plain: the issue's version (einsum over heads + relu + weighted head sum + causal mask + topk
+- plain: the original work's version (einsum over heads + relu + weighted head sum + causal mask + topk
   over the [8k, pools] block, 8k queries per chunk), `bench_kernels.baseline_indexer`;
 - v1 G=<g> [sorted]: the two-pass path with two `torch.topk` calls (`indexer_two_pass`);
 - v2 G=<g>[:<top>]: per-head pass 1 with pipelined key loads (group and super-group maxima), the top

@@ -72,7 +72,7 @@ def fwd_bwd(module, x, pick=lambda out: out):
 
 
 def baseline_indexer(q, keys, w, *, kpool, topk_pools, scale, chunk=8192):
-    """The issue's plain version: einsum over all heads + relu + weighted sum + mask + topk."""
+    """The original work's plain version: einsum over all heads + relu + weighted sum + mask + topk."""
     seq = q.shape[1]
     out = []
     for t0 in range(0, seq, chunk):

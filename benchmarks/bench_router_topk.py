@@ -7,7 +7,7 @@ Per shape (one call's scores: a MoE chunk's tokens x experts, fp32): median ms o
 whether the kernel picked torch.topk's experts (as sets per row; the scores are random, so no ties).
 Rows append to <out>/router_topk.jsonl.
 
-Prediction (written before the first run, 2026-12-05): the eighteenth session's 128k profile has
+Prediction (written before the first run, 2026-12-05): the H200 128k profile of 2026-12-03 has
 `gatherTopK` at 59.9 ms over 252 calls (64k tokens x 64 experts, top 4: 0.24 ms for 16 MiB of
 scores); the kernel reads the scores once and writes 2 MiB of indices, ~0.01-0.02 ms at 2-3 TB/s,
 so ~15x faster per call and ~55 ms less a 128k step (~0.9%), ~0.22 s at 512k.

@@ -9,7 +9,7 @@ against autograd through the reference in float64 on the first 8k tokens. Rows a
 <out>/sinkhorn.jsonl; a table prints last.
 
 Prediction (written before the first run, 2026-12-02): the recompute kernel does ~1,500 half-steps
-per token and costs ~1.46 ms a call at 128k (the sixth session's profile: 131.6 ms in 90 calls);
+per token and costs ~1.46 ms a call at 128k (the H200 profile of 2026-12-02: 131.6 ms in 90 calls);
 the stored kernel does 78 and moves ~1.4 KB per token (x, dy, dx and 39 x 4 sums written and
 read back), ~190 MB at 128k: ~0.1-0.2 ms, 7-15x faster, ~120 ms less per 128k step.
 """

@@ -29,7 +29,7 @@ the tail: W = 2051; q, kv, dO random bf16. Times: median of CUDA-event-timed rep
 warm-up call (which pays compilation and the Triton kernels' config timing); peak = peak
 allocated above what was allocated before (inputs excluded, outputs and transients included).
 
-Useful FLOPs (issue 12's count): forward 4*H*W*Dl per query (QK^T and PV), backward 8*H*W*Dl
+Useful FLOPs (the original work's count): forward 4*H*W*Dl per query (QK^T and PV), backward 8*H*W*Dl
 (dP, dQ, and dKV's two products; the backward's recomputation of QK^T is not counted): 12*H*W*Dl
 per query in all. SDPA: 6*H*d*T^2 (the causal half of 12*H*d*T^2). Results: <out>/bench.jsonl
 (one line per cell as measured) and <out>/table.txt.
@@ -138,7 +138,7 @@ def kcfwd_chunk(impl: str) -> int | None:
 TRITON_MODES = {"triton-keychunk": ("query", "keychunk"), "triton-kcfwd": ("keychunk", "keychunk"), "triton-atomic": ("query", "atomic"),
                 "triton-grouped": ("grouped", "grouped"), "triton-fwd": ("query", None), "triton-kcfwd-fwd": ("keychunk", None),
                 "triton-grouped-fwd": ("grouped", None)}
-# (size, heads) in priority order: the issue's targets first (4 heads, 128k), 512k last.
+# (size, heads) in priority order: the targets first (4 heads, 128k), 512k last.
 PLAN = [("128k", 4), ("128k", 16), ("128k", 8), ("64k", 4), ("64k", 8), ("64k", 16), ("64k", 64),
         ("512k", 4), ("128k", 64), ("512k", 8), ("512k", 16)]
 # The second iteration's cells (2026-12): the grouped kernels beside v1 in the same run, probes
@@ -152,7 +152,7 @@ PRESETS = {
         ("64k", 64, "triton-grouped"), ("64k", 64, "triton-atomic"), ("64k", 64, "triton-grouped-fwd"), ("64k", 64, "triton-fwd"),
         ("512k", 4, "triton-grouped-fwd"), ("512k", 4, "triton-fwd"),
         ("128k", 4, "megatron")]),
-    # Where v1's key-chunked backward spends its time (2026-12-02, twelfth session): without the dkv
+    # Where v1's key-chunked backward spends its time (2026-12-02): without the dkv
     # adds, with plain stores instead, the one-pass (atomic) layout, other key chunk sizes; the
     # forward for its gathers alone. Probes only (no parity, no megatron): < 2 min cold.
     "bwd-probe": dict(parity_modes="keychunk", cells=[
@@ -161,7 +161,7 @@ PRESETS = {
         ("128k", 4, "probe-keychunk-bwd-kc2048"), ("128k", 4, "probe-keychunk-bwd-kc4096"), ("128k", 4, "probe-keychunk-bwd-kc16384"),
         ("128k", 16, "probe-keychunk-bwd"), ("128k", 16, "probe-keychunk-bwd-nodkv"),
         ("512k", 4, "probe-keychunk-bwd"), ("512k", 4, "probe-keychunk-bwd-kc4096"), ("512k", 4, "probe-keychunk-bwd-nodkv")]),
-    # The key-chunked forward (fwd_mode "keychunk", 2026-12-03, sixteenth session) beside v1's query
+    # The key-chunked forward (fwd_mode "keychunk", 2026-12-03) beside v1's query
     # forward and the grouped one: forward alone at its default key chunk (32,768) and others, then
     # forward + backward with the default backward; parity of its configs first. No TileLang.
     "kcfwd": dict(parity_modes="kcfwd", cells=[

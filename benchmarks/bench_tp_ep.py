@@ -16,8 +16,8 @@ the processes started is recorded as not run; cp=2 needs genolong.parallel.conte
 
 Every rank writes its full log to OUT/rank<r>.log; rank 0 writes OUT/results.jsonl (one line per
 measurement, appended as it goes) and OUT/table.txt. Layouts and lengths are skipped, and
-recorded as skipped, once --budget-s is spent (a length already started finishes). Estimated, not measured (RESULTS.md's
-45-layer H200 steps scaled to 8 layers: ~3 s at 128k, ~15-20 s at 512k per layout, plus first-step
+recorded as skipped, once --budget-s is spent (a length already started finishes). Estimated, not measured (the
+45-layer H200 steps of docs/performance.md scaled to 8 layers: ~3 s at 128k, ~15-20 s at 512k per layout, plus first-step
 compilation): ~6 minutes on two H200s with the defaults.
 
 On one process (`torchrun --nproc_per_node=1` or plain python) the layout "1" times the plain

@@ -1,6 +1,6 @@
 """Which lines of genolong launch a step's GPU kernels: a profiled step's kernels grouped by the
 Python line they came from, so that the generic PyTorch kernels of a profile (bf16 adds, copies,
-concatenations, gathers, fills: ~0.3 s of a 128k glm53-mini step in the eighteenth session) can be
+concatenations, gathers, fills: ~0.3 s of a 128k glm53-mini step on 2026-12-03) can be
 traced to the code that asks for them.
 
     from op_sites import profile_sites, report

@@ -20,7 +20,7 @@ FUSED = {
     # indexer_topk.dsa_indexer_topk_chunked (plain PyTorch) is deliberately not registered: a
     # Triton failure must show up as a fallback, not as a silent 10x slower path.
     # v2 (in-kernel selections) first again, awaiting its GPU proof: on the H200 (2026-12-01,
-    # benchmarks/h200-2026-12-01/call2-idxloss.log) its pass 1 asked for 291 KiB of shared memory;
+    # the indexer-loss stage's log) its pass 1 asked for 291 KiB of shared memory;
     # it now fits in the JIT-specialised sm_90 build (164 KiB at 4 heads, 80.5 KiB at 32,
     # tests/kernels/test_compile.py). v1 stays behind it and selectable by name.
     "dsa_indexer_topk": [

@@ -262,7 +262,7 @@ def _triton():
 def _check_v2_streamed(triton_mod, index_q) -> None:
     """With more heads than the resident pass-1 kernel holds (GLM-5.3-Flash's 32), v2 streams q
     through pass 1. Proven on the H200 on 2026-12-03: its selection test passed at 32 heads and at
-    128k it ran 85.9 ms against v1's 129.3 (benchmarks/RESULTS.md, fifteenth session), so it is the
+    128k it ran 85.9 ms against v1's 129.3 (docs/performance.md), so it is the
     default; GENOLONG_INDEXER_V2_STREAMED=0 keeps v1 for those shapes (the comparison's old arm)."""
     heads, dim = index_q.shape[2], index_q.shape[3]
     setting = os.environ.get(ENV_V2_STREAMED, "1")

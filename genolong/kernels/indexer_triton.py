@@ -199,7 +199,7 @@ SUPER = 8
 MAX_SUPER_GROUPS = 16384
 # The in-register top-k of the two selection kernels, by name: (uint32 keys with the early stop, warps).
 # "narrow" is the default since 2026-12-05 (with the router's top-k kernel, a 128k step 6.50 -> 6.31 s
-# on an H100; benchmarks/RESULTS.md, twenty-second session); "wide" (int64 keys, 32 steps) is the
+# on an H100; docs/performance.md); "wide" (int64 keys, 32 steps) is the
 # build before it, kept for side-by-side runs (GENOLONG_INDEXER_TOP). Every build selects the same entries.
 TOP_BUILDS = {"wide": (False, 4), "narrow": (True, 4), "narrow8": (True, 8)}
 TOP_DEFAULT = "narrow"

@@ -13,7 +13,7 @@ PyTorch form (tests/kernels/test_kept_selection_triton.py, in the interpreter).
 
 The default on CUDA (`GENOLONG_KEPT_SELECTION=torch` keeps the PyTorch passes): equal to them on the
 H200 (tests/gpu/test_selection_passes.py); with the fused row bounds a 128k step ran 6.25 s against
-6.35 s, each of four counted steps faster (2026-12-03, eighteenth session; benchmarks/RESULTS.md).
+6.35 s, each of four counted steps faster (H200, 2026-12-03).
 Before the step's host syncs were removed the 142 ms of GPU time they save did not show in the
 wall clock (7.54 vs 7.20 s, sixteenth session).
 """

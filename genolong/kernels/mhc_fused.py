@@ -4,7 +4,7 @@ Eager PyTorch runs one mHC sublayer as a dozen kernels over the [T, n, D] stream
 RMS statistic, the 24-column projection, [T]-batched 1 x n and n x n products, broadcasts and
 adds) and about twice that backward; at the real model's width (hidden 4096) a layer's two
 sublayers took 386 ms forward + backward at 128k tokens on the H200, 2 TFLOP/s
-(benchmarks/RESULTS.md). The work is memory-bound: each pass here reads the streams once.
+(2026-12-01). The work is memory-bound: each pass here reads the streams once.
 
 Forward (`mix_collapse`, `expand`):
 1. `_mix_logits_kernel`: per token the sum of squares (fp32) and the (2 + n) n logits

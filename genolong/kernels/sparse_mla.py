@@ -137,7 +137,7 @@ def candidates(kind: str, heads: int, dim: int) -> list:
 def split_candidates(kind: str, heads: int) -> list:
     """v1's launch configs with the score products split over the latent columns (Config.split_k),
     timed beside `candidates` under GENOLONG_SPARSE_MLA_SPLIT=candidates. From the sm_90 builds
-    (benchmarks/sass_census.py, no spills with either kind of adds): 16-row blocks up to 16 heads,
+    (read with a SASS census, 2026-12-04: no spills with either kind of adds): 16-row blocks up to 16 heads,
     32 beyond; the 16-head (unpacked) backward needs 8 warps to stay within the registers."""
     from genolong.kernels.sparse_mla_triton import Config, head_block
 

@@ -59,7 +59,7 @@ class PendingPack(ops.DeferredKept):
 
     Reading the check's flag at once was a host sync per DSA layer, and its tiny copy queued behind
     the kept tensors' copies to host memory already in flight: the compute stream stood idle ~8 ms
-    each time (eleven times a 128k step: benchmarks/RESULTS.md, seventeenth session). Here the flag
+    each time (eleven times a 128k step: H200, 2026-12-03). Here the flag
     is copied to pinned memory on a stream of its own; the keep layer (genolong.train.keep) resolves
     the choice when the layer's next kept op records (the sparse attention, ~100 ms of GPU work
     later) or when the layer's forward ends, so `idx` is held no longer than the layer holds it

@@ -1,7 +1,7 @@
 """Faster eager versions of mHC's per-token math; the references are in genolong/model/mhc.py.
 
 The references run as thousands of tiny operations over [T, n, n] and [T]-batched 1 x n and
-n x n matrix products, which cost 25-35% of a `tiny` step on the CPU (benchmarks/RESULTS.md):
+n x n matrix products, which cost 25-35% of a `tiny` step on the CPU (measured 2026-12-01):
 
 - `sinkhorn`: one autograd node instead of ~80 (the reference's 2 * iters - 1 divisions and
   sums). The matrices are laid out tokens-last ([n, n, tokens], a reduction over rows or

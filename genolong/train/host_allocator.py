@@ -3,7 +3,7 @@
 A CPU training step allocates and frees hundreds of tensors of 0.1-30 MiB. With glibc's defaults
 many of them are served by fresh mmap'd pages and given back when freed, so every step faults in
 and zeroes them again: ~14k page faults per 2k-token `tiny` step, 10-20% of its CPU time
-(benchmarks/RESULTS.md "CPU path"). Raising the mmap threshold (blocks up to 256 MiB come from the
+(measured 2026-12-01). Raising the mmap threshold (blocks up to 256 MiB come from the
 heap) together with the trim threshold (up to 1 GiB of free heap is kept) makes later steps reuse
 the memory of earlier ones: ~200 faults per step. Raising the trim threshold alone is worse than
 the defaults (it switches off glibc's adaptive mmap threshold), so both are set together.
