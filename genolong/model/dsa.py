@@ -121,6 +121,28 @@ def _masked_dense_attention(q, kv, indices, *, scale: float, return_lse: bool):
 ops.register("dsa_sparse_attention", ops.REFERENCE, sparse_attention_reference)
 
 
+def dense_causal_attention(q: torch.Tensor, kv: torch.Tensor, *, scale: float, query_offset: int = 0) -> torch.Tensor:
+    """Every query over every key at or before it (the indexer's dense warm-up runs the main path
+    this way, as DeepSeek-V3.2 does): q [B,T,H,Dl] at positions query_offset + [0, T), kv [B,S,Dl]
+    -> [B,T,H,Dl]; chunked over queries, each chunk against only the keys it can see."""
+    batch, seq, heads, latent = q.shape
+    keys = kv.shape[1]
+    limit = _GATHER_ELEMENTS if q.device.type != "cpu" else _CPU_DENSE_ELEMENTS
+    step = max(1, limit // max(1, batch * heads * keys))
+    wide = torch.promote_types(q.dtype, torch.float32)
+    outputs = []
+    for t0 in range(0, seq, step):
+        rows = min(step, seq - t0)
+        pos = query_offset + t0 + torch.arange(rows, device=q.device)
+        seen = min(keys, query_offset + t0 + rows)
+        scores = torch.matmul(q[:, t0 : t0 + rows].flatten(1, 2), kv[:, :seen].transpose(-1, -2))
+        scores = scores.view(batch, rows, heads, seen).to(wide) * scale
+        future = torch.arange(seen, device=q.device)[None, :] > pos[:, None]  # [rows, seen]
+        probs = torch.softmax(scores.masked_fill(future[None, :, None, :], float("-inf")), dim=-1).to(q.dtype)
+        outputs.append(torch.matmul(probs.flatten(1, 2), kv[:, :seen]).view(batch, rows, heads, latent))
+    return torch.cat(outputs, dim=1)
+
+
 class DSAAttention(nn.Module):
     def __init__(self, hidden: int, cfg: DSAConfig, rms_eps: float, layer_idx: int, *, has_indexer: bool) -> None:
         super().__init__()
@@ -143,6 +165,10 @@ class DSAAttention(nn.Module):
         # the layer does exactly what it did before the indexer could learn.
         self.indexer_loss: IndexerLossSwitch | None = None
         self.recall_probe: RecallProbe | None = None
+        # The copy curriculum's oracle (genolong/train/copy_oracle.py): [B, T] key positions, -1 = none.
+        self.selection_oracle: torch.Tensor | None = None
+        # The indexer's dense warm-up (genolong/train/indexer.py): every query attends to every earlier key.
+        self.dense_attention = False
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_uk [H, Dqk, Dl] and W_uv [H, Dv, Dl]."""
@@ -179,13 +205,19 @@ class DSAAttention(nn.Module):
             topk = self.indexer(x, q_resid)
         else:
             topk = self.indexer(x, q_resid, piece=piece)
+        if self.selection_oracle is not None and self.indexer is not None:
+            cfg = self.indexer.cfg
+            topk = add_oracle_pools(topk, self.selection_oracle, kpool=cfg.kpool, topk_pools=cfg.topk_pools)
         if self.recall_probe is not None and self.indexer is not None:
             self.recall_probe.measure(
                 self.layer_idx, q_latent, latent, topk, scale=self.scale, width=self.indexer.cfg.width, piece=piece
             )
         # The sparse indexer loss needs the attention's lse, and a backward to run in.
         sparse_loss = switch is not None and switch.mode != DENSE and torch.is_grad_enabled()
-        if sparse_loss:
+        if self.dense_attention:
+            offset = 0 if piece is None else piece.offset
+            o_latent = dense_causal_attention(q_latent, latent, scale=self.scale, query_offset=offset)
+        elif sparse_loss:
             o_latent, lse = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale, return_lse=True)
         else:
             o_latent = ops.call("dsa_sparse_attention", self.layer_idx, q_latent, latent, topk, scale=self.scale)
@@ -196,3 +228,23 @@ class DSAAttention(nn.Module):
                 out, self.indexer, x, q_resid, q_latent, latent, topk, lse, scale=self.scale, switch=switch, piece=piece
             )
         return out, topk
+
+
+def add_oracle_pools(topk: torch.Tensor, keys: torch.Tensor, *, kpool: int, topk_pools: int) -> torch.Tensor:
+    """topk int32 [B, T, W] (the indexer's selection: topk_pools pools of kpool keys, then the tail)
+    with each query's oracle pool (keys [B, T], -1 = none) written over its last pool slots where the
+    needed key is neither selected already nor in the query's incomplete tail pool."""
+    if topk_pools < 1:
+        return topk
+    seq = topk.shape[1]
+    t = torch.arange(seq, device=topk.device)
+    tail_start = (t + 1) - (t + 1) % kpool
+    keys = keys.to(topk.device)
+    pooled = topk[..., : topk_pools * kpool]
+    present = (pooled == keys.unsqueeze(-1).to(topk.dtype)).any(-1)
+    write = (keys >= 0) & (keys < tail_start) & ~present
+    pool_keys = (keys.clamp(min=0) // kpool * kpool).unsqueeze(-1) + torch.arange(kpool, device=topk.device)
+    last = slice((topk_pools - 1) * kpool, topk_pools * kpool)
+    out = topk.clone()
+    out[..., last] = torch.where(write.unsqueeze(-1), pool_keys.to(topk.dtype), topk[..., last])
+    return out

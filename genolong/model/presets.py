@@ -147,3 +147,28 @@ def _replace_nested(obj, changes: dict, where: str):
 
 def _field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def with_indexer_topk(config: ModelConfig, topk: int | None) -> ModelConfig:
+    """`config` with its DSA indexers selecting `topk` keys (None: unchanged); the weights still fit."""
+    if topk is None:
+        return config
+    if topk % config.dsa.indexer.kpool:
+        raise GenolongError(
+            f"--indexer-topk {topk} is not a multiple of the indexer's pool size {config.dsa.indexer.kpool} "
+            "(it selects whole pools); pick a multiple"
+        )
+    return apply_overrides(config, {"dsa": {"indexer": {"topk": topk}}})
+
+
+def set_indexer_topk(model, topk: int) -> None:
+    """Make a built model's indexers select `topk` keys (its config too, so a save records it)."""
+    config = with_indexer_topk(model.config, topk)
+    model.config = config
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "config"):
+        inner.config = config
+    for layer in getattr(inner, "layers", []):
+        indexer = getattr(layer.self_attn, "indexer", None)
+        if indexer is not None:
+            indexer.cfg = config.dsa.indexer

@@ -135,6 +135,17 @@ def finetune(
         int, typer.Option(help="Every N steps log how much dense attention the indexer's selection keeps (0: never).", rich_help_panel=_IDX)
     ] = 0,
     indexer_recall_queries: Annotated[int, typer.Option(help="Sampled queries per DSA layer for the recall.", rich_help_panel=_IDX)] = 256,
+    indexer_topk: Annotated[
+        int | None,
+        typer.Option(help="Keys each DSA query selects in this run (default: the model's; the saved model keeps the new value).", rich_help_panel=_IDX, show_default=False),
+    ] = None,
+    copy_oracle: Annotated[
+        int,
+        typer.Option(help="Copy curriculum: put into each query's selection the pool after the last earlier occurrence of its K last bases (K = 12-20; 0: off; docs/longrange.md).", rich_help_panel=_IDX),
+    ] = 0,
+    layers: Annotated[
+        int | None, typer.Option(help="Layers of the --preset model (its one scale dial; default: the preset's).", show_default=False)
+    ] = None,
 ) -> None:
     """Fine-tune (or train from scratch) on a prepared genome at 512k-1M tokens per sequence.
 
@@ -204,6 +215,9 @@ def finetune(
             indexer_warmup_steps=indexer_warmup_steps,
             indexer_recall_every=indexer_recall_every,
             indexer_recall_queries=indexer_recall_queries,
+            indexer_topk=indexer_topk,
+            copy_oracle=copy_oracle,
+            layers=layers,
         )
     from genolong.parallel.mesh import launched_world
 

@@ -8,7 +8,9 @@ The model's DSA layers carry two attributes, None by default: `indexer_loss` (an
 - frozen (coeff 0, the default): no switch, the indexer's parameters are not trainable and not in
   the optimizer; the model runs exactly as it did before the indexer could learn;
 - warm-up (the first `warmup_steps` steps): the main model is frozen and the step runs its
-  forward under no_grad; each DSA layer back-propagates its dense KL into its indexer during the
+  forward under no_grad with every DSA layer attending densely (all earlier keys, as in
+  DeepSeek-V3.2's warm-up, so each layer's target comes from hidden states that no untrained
+  selection has shaped); each DSA layer back-propagates its dense KL into its indexer during the
   forward; the optimizer updates only the indexer (`update_only`);
 - sparse (after the warm-up): the KL over each query's selected pools, added to the indexer's
   gradient during the layer's backward, beside the LM loss (which never reaches the indexer).
@@ -62,6 +64,9 @@ class IndexerTraining:
         if not (math.isfinite(coeff) and coeff >= 0):
             raise GenolongError(f"--indexer-loss-coeff must be a finite number >= 0, got {coeff}")
         self.layers = indexer_layers(model)
+        # Every DSA layer, shared-indexer ones too: during the warm-up all of them attend densely.
+        self.dsa_layers = [layer.self_attn for layer in getattr(getattr(model, "model", model), "layers", [])
+                           if hasattr(layer.self_attn, "dense_attention")]
         if (coeff > 0 or recall_every > 0) and not self.layers:
             raise GenolongError(
                 "--indexer-loss-coeff / --indexer-recall-every need a model with a DSA layer that owns an indexer; "
@@ -95,6 +100,8 @@ class IndexerTraining:
         for attn in self.layers.values():
             attn.indexer_loss = self._switch
             attn.recall_probe = self._probe
+        for attn in self.dsa_layers:
+            attn.dense_attention = self._phase == WARMUP
         return self._phase
 
     def micro_batch(self, weight: float) -> None:
@@ -131,5 +138,7 @@ class IndexerTraining:
         for attn in self.layers.values():
             attn.indexer_loss = None
             attn.recall_probe = None
+        for attn in self.dsa_layers:
+            attn.dense_attention = False
         self._switch = self._probe = None
         self._phase = FROZEN

@@ -57,6 +57,8 @@ from genolong.train import distributed
 from genolong.train.balance import ExpertBalancer
 from genolong.train.flops import peak_flops, step_flops
 from genolong.train.host_allocator import keep_freed_host_memory
+from genolong.model.presets import set_indexer_topk, with_indexer_topk
+from genolong.train.copy_oracle import oracle_keys, selection_oracle
 from genolong.train.indexer import IndexerTraining, trainable_parameters
 from genolong.train.loss import (
     auto_chunk_tokens,
@@ -94,6 +96,7 @@ class _Batch:
     targets: torch.Tensor  # [b, T]
     valid: torch.Tensor  # [b, T] bool: target is not N
     weight: torch.Tensor | None = None  # [b, T] fp32 loss weight per target (--repeat-weight); None = 1 where valid
+    oracle: torch.Tensor | None = None  # [b, T] int64 key each query copies from (--copy-oracle); None = off
 
 
 def check_inputs(options: TrainOptions) -> None:
@@ -325,17 +328,19 @@ def _train_step(model, optimizer, batch_list, options, step, chunk, device, para
     indexer.begin_step(step)
     for micro in batch_list:
         indexer.micro_batch(1 / (len(batch_list) * batch_ranks))
-        with indexer.forward_context():
-            hidden = model.hidden_states(micro.inputs)
-            weight = model.lm_head.weight
-            if options.memory.chunked_loss:
-                loss = chunked_lm_loss(
-                    hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=normaliser, target_weight=micro.weight
-                )
-            else:
-                loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=normaliser, target_weight=micro.weight)
-        if indexer.backward_lm_loss():
-            loss.backward()
+        # The oracle stays set through the backward: a layer recomputed there must select what its forward did.
+        with selection_oracle(model, micro.oracle):
+            with indexer.forward_context():
+                hidden = model.hidden_states(micro.inputs)
+                weight = model.lm_head.weight
+                if options.memory.chunked_loss:
+                    loss = chunked_lm_loss(
+                        hidden, weight, micro.targets, micro.valid, chunk, global_valid_count=normaliser, target_weight=micro.weight
+                    )
+                else:
+                    loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=normaliser, target_weight=micro.weight)
+            if indexer.backward_lm_loss():
+                loss.backward()
         total += loss.detach()
         del hidden, loss
     loss_value = float(procs.sum(total))
@@ -556,6 +561,8 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
         config = _model_config(options, resume_from)
         with torch.device(device):
             model = GenoLongForCausalLM(config, dtype=dtype)
+    if options.indexer_topk is not None:
+        set_indexer_topk(model, options.indexer_topk)
     if dna_map is not None:
         dna_map = dna_map.to(device)
     return model, dna_map
@@ -596,8 +603,9 @@ def _model_config(options: TrainOptions, resume_from: Path | None = None):
         return from_hf(read_config(resume_from))
     if resume_from is not None or options.model_path:
         source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
-        return from_hf(read_config(source))
-    return get_preset(options.preset)
+        return with_indexer_topk(from_hf(read_config(source)), options.indexer_topk)
+    config = get_preset(options.preset) if options.layers is None else get_preset(options.preset, num_layers=options.layers)
+    return with_indexer_topk(config, options.indexer_topk)
 
 
 def _preflight(config, options: TrainOptions, device: str) -> None:
@@ -664,6 +672,10 @@ def _split(windows, options: TrainOptions, dna_map, device: str, cp: tuple[int, 
     inputs, targets, valid = shard_batch(inputs, targets, valid, *cp)
     if weight is not None:
         weight = shard_sequence(weight, *cp)
+    oracle = None
+    if options.copy_oracle:
+        # From the DNA ids (before any checkpoint id map), per whole window: cp is refused with the oracle.
+        oracle = torch.from_numpy(oracle_keys(tokens[:, :-1].numpy(), options.copy_oracle))
     micro = len(windows) // options.grad_accum
     return [
         _Batch(
@@ -671,6 +683,7 @@ def _split(windows, options: TrainOptions, dna_map, device: str, cp: tuple[int, 
             targets[i : i + micro].to(device, non_blocking=True),
             valid[i : i + micro].to(device, non_blocking=True),
             weight[i : i + micro].to(device, non_blocking=True) if weight is not None else None,
+            oracle[i : i + micro].to(device, non_blocking=True) if oracle is not None else None,
         )
         for i in range(0, len(windows), micro)
     ]

@@ -174,6 +174,7 @@ class TrainOptions:
     seq_len: int = 524288
     preset: str | None = "glm53-mini"
     model_path: str | None = None  # a transformers-format checkpoint to start from (overrides preset)
+    layers: int | None = None  # the preset's layer dial (None: the preset's own count); with --preset only
     steps: int = 80
     lr: float = 1e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
@@ -223,6 +224,10 @@ class TrainOptions:
     indexer_warmup_steps: int = 0
     indexer_recall_every: int = 0
     indexer_recall_queries: int = 256
+    # The model's indexer top-k for this run (None: the model's own); the saved model keeps it.
+    indexer_topk: int | None = None
+    # The copy curriculum (genolong/train/copy_oracle.py): k-mer length of the selection oracle; 0 = off.
+    copy_oracle: int = 0
 
     @property
     def micro_batch(self) -> int:
@@ -305,6 +310,25 @@ class TrainOptions:
             )
         if self.indexer_recall_queries < 1:
             raise GenolongError(f"--indexer-recall-queries must be >= 1, got {self.indexer_recall_queries}")
+        if self.indexer_topk is not None and self.indexer_topk < 1:
+            raise GenolongError(f"--indexer-topk must be positive (keys each DSA query selects), got {self.indexer_topk}")
+        if self.layers is not None and (self.layers < 1 or self.preset is None):
+            raise GenolongError(
+                f"--layers {self.layers}: the layer dial sizes a --preset model (>= 1 layer); a --model checkpoint keeps its own layers"
+            )
+        from genolong.data.kmers import MAX_K
+
+        if self.copy_oracle and not 8 <= self.copy_oracle <= MAX_K:
+            raise GenolongError(
+                f"--copy-oracle {self.copy_oracle}: the k-mer length must be in 8..{MAX_K} (shorter k-mers match by chance "
+                "everywhere), or 0 to turn the oracle off"
+            )
+        if self.copy_oracle:
+            from genolong.parallel.layout import parse_layout
+
+            layout = parse_layout(self.parallel)
+            if layout is not None and layout.cp > 1:
+                raise GenolongError("--copy-oracle runs on whole sequences: drop it or use a layout without cp")
 
 
 def resolve_device(options: TrainOptions) -> str:
