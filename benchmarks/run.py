@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 # A written file larger than this is listed by name only: a row stays readable with one JSON parser.
 EMBED_LIMIT = 512 * 1024
 OUTPUT_TAIL_LINES = 60
+DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json")
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,13 @@ def collect(folder: Path) -> dict:
     found: dict = {}
     if not folder.is_dir():
         return found
+    # A prepared dataset a benchmark made for itself (Hugging Face's metadata files) and a training run's
+    # checkpoints are its inputs and by-products, not its results.
+    datasets = {p.parent for name in DATASET_MARKERS for p in folder.rglob(name)}
     for path in sorted(folder.rglob("*")):
         if path.suffix not in (".json", ".jsonl") or not path.is_file():
+            continue
+        if any(d == path.parent or d in path.parents for d in datasets) or "checkpoints" in path.relative_to(folder).parts:
             continue
         name = str(path.relative_to(folder))
         if path.stat().st_size > EMBED_LIMIT:

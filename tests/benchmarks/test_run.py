@@ -29,12 +29,19 @@ def test_collect_parses_json_and_json_lines_and_lists_large_files(tmp_path, monk
     (tmp_path / "sub" / "rows.jsonl").write_text('{"x": 1}\n\n{"x": 2}\n')
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "notes.txt").write_text("ignored")
+    (tmp_path / "prep" / "train").mkdir(parents=True)
+    (tmp_path / "prep" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    (tmp_path / "prep" / "train" / "state.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "step_1").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_1" / "config.json").write_text("{}")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"loss": 2.0}\n')
     monkeypatch.setattr(run, "EMBED_LIMIT", 40)
     (tmp_path / "big.json").write_text(json.dumps({"v": list(range(50))}))
     found = run.collect(tmp_path)
     assert found["a.json"] == {"ms": 1.5} and found["sub/rows.jsonl"] == [{"x": 1}, {"x": 2}]
     assert found["bad.json"].startswith("<unparsable") and found["big.json"].startswith("<")
-    assert "notes.txt" not in found
+    assert "notes.txt" not in found and not any(name.startswith("prep") or "checkpoints" in name for name in found)
+    assert found["run/metrics.jsonl"] == [{"loss": 2.0}]
 
 
 def test_a_run_appends_one_stamped_row(tmp_path, monkeypatch):
