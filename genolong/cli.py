@@ -39,6 +39,7 @@ COMMANDS = [
     ("export", "genolong.train.export_cli", "export"),
     ("eval-positional", "genolong.eval.cli", "eval_positional"),
     ("eval-recall", "genolong.eval.recall_cli", "eval_recall"),
+    ("reach", "genolong.eval.reach", "reach"),
 ]
 
 
