@@ -38,7 +38,6 @@ for stage in "$@"; do
     # mHC around a layer, eager vs the fused Triton passes, at glm53-mini's and GLM-5.3-Flash's width.
     mhc) cmd="python3 benchmarks/bench_mhc.py --out $OUT/mhc --budget-s $(( limit - 40 )) ${MHC_ARGS:-}" ;;
     # mHC's Sinkhorn backward, the O(steps^2) recompute kernel vs the O(steps) stored-sums one (the default since 2026-12-02).
-    sinkhorn) cmd="python3 benchmarks/bench_sinkhorn.py --out $OUT/sinkhorn ${SINKHORN_ARGS:-}" ;;
     # The MoE combine, bf16 index_add vs the atomics-free Triton combine (the default since 2026-12-02).
     moecombine) cmd="python3 benchmarks/bench_moe_combine.py --out $OUT/moe_combine ${MOECOMBINE_ARGS:-}" ;;
     # The MoE experts' clamped SwiGLU, eager vs the fused Triton pass (GENOLONG_MOE_SWIGLU).

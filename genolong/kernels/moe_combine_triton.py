@@ -24,11 +24,10 @@ the old path. The CPU tests run it under Triton's interpreter against the index_
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from genolong.errors import env_choice
+from genolong import switches
 
 try:
     import triton
@@ -36,24 +35,21 @@ try:
 except ImportError:
     triton = None
 
-COMBINES = ("index_add", "triton")
 BT, BD, BR = 16, 128, 32
 
 
-def combine_mode() -> str:
-    mode = os.environ.get("GENOLONG_MOE_COMBINE", "triton")
-    if mode not in COMBINES:
-        raise ValueError(f"GENOLONG_MOE_COMBINE={mode!r}: use one of {', '.join(COMBINES)}")
-    return mode
-
-
+ENV_COMBINE = "GENOLONG_MOE_COMBINE"
 ENV_DISPATCH = "GENOLONG_MOE_DISPATCH"
+
+
+def combine_mode() -> str:
+    """"triton" (default: `combine`, the read-side sum) or "index_add" (`combine_index_add`)."""
+    return switches.get(ENV_COMBINE)
 
 
 def dispatch_mode() -> str:
     """"triton" (default: `dispatch`, the read-side backward) or "index" (`dispatch_index`, autograd's)."""
-    return env_choice(ENV_DISPATCH, "triton", {"triton": "the dispatch's backward as a read-side sum (moe_combine_triton.dispatch)",
-                                               "index": "advanced indexing, autograd's sorted index backward"})
+    return switches.get(ENV_DISPATCH)
 
 
 if triton is not None:

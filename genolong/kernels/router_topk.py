@@ -13,7 +13,7 @@ which the compiled router (genolong/train/compile.py) calls unless GENOLONG_ROUT
 off CUDA, or for shapes the kernel does not take, the op runs `torch.topk`. Checked in Triton's
 interpreter, for sm_90 on the CPU and on an H100 against torch.topk (tests/gpu/test_fastops.py); the
 default since 2026-12-05, when it and the indexer's narrow top-k took a 128k step from 6.50 to 6.31 s
-on an H100 (benchmarks/RESULTS.md, twenty-second session).
+on an H100.
 """
 
 from __future__ import annotations
@@ -24,21 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from genolong.errors import GenolongError
+from genolong import switches
 
 ENV = "GENOLONG_ROUTER_TOPK"
-SETTINGS = ("torch", "triton")
-DEFAULT = "triton"
 MAX_EXPERTS = 1024  # one row's scores held in registers
 MAX_K = 16
 
 
 def setting() -> str:
     """GENOLONG_ROUTER_TOPK: "triton" (default; this kernel, on CUDA) or "torch" (torch.topk)."""
-    value = os.environ.get(ENV, DEFAULT)
-    if value not in SETTINGS:
-        raise GenolongError(f"{ENV}={value!r} is not one of {', '.join(SETTINGS)}; unset it for {DEFAULT!r}")
-    return value
+    return switches.get(ENV)
 
 
 def unsupported(choice: torch.Tensor, k: int) -> str | None:

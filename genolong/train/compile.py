@@ -34,11 +34,11 @@ switched (a tensor-parallel MLP) or wrapped for the mHC fp32-input ablation stay
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from genolong import switches
 from genolong.errors import GenolongError
 from genolong.model.mhc import HyperConnection
 from genolong.model.mlp import DenseMLP
@@ -240,11 +240,11 @@ class CompiledDenseMLP(DenseMLP):
 def _router_topk_triton(x: torch.Tensor) -> bool:
     """Whether the compiled router picks its experts with genolong/kernels/router_topk.py's kernel:
     on CUDA unless GENOLONG_ROUTER_TOPK=torch (read at each call, so one process can time both)."""
-    if not x.is_cuda or os.environ.get("GENOLONG_ROUTER_TOPK") == "torch":
+    if not x.is_cuda or switches.get("GENOLONG_ROUTER_TOPK") == "torch":
         return False
-    from genolong.kernels import router_topk  # registers torch.ops.genolong.router_topk
+    from genolong.kernels import router_topk  # noqa: F401  (registers torch.ops.genolong.router_topk)
 
-    return router_topk.setting() == "triton"
+    return True
 
 
 _COMPILED_CLASSES = (CompiledHyperConnection, CompiledRMSNorm, CompiledGatedRMSNorm, CompiledRouter, CompiledDenseMLP)

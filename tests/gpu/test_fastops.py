@@ -19,7 +19,6 @@ KW = dict(kpool=4, topk_pools=512, always_select_tail=True, softmax_scale=128**-
 def _setup(monkeypatch):
     kernels.load()
     monkeypatch.setattr(_common, "POISON", True)
-    monkeypatch.delenv("GENOLONG_INDEXER_V2_STREAMED", raising=False)  # the default: v2, pass 1 streamed at 32 heads
     torch.manual_seed(0)
 
 
@@ -40,20 +39,15 @@ def test_indexer_v2_selection_identical_to_reference(heads):
     assert key_chunk_rows(rows, torch.tensor([0, 4096, seq], dtype=torch.int32, device=DEV))[0] is rows
 
 
-@pytest.mark.parametrize("top", ["narrow", "narrow8"])
-def test_indexer_v2_top_builds_write_the_wide_builds_rows(top, monkeypatch):
-    # The selection kernels' top-k builds (indexer_triton.TOP_BUILDS) choose the same entries in the
-    # same slots by construction; on the GPU every row must be equal, not only equal as a set.
-    from genolong.kernels import indexer_triton as tr
-
-    seq = 98304  # past 64k tokens a query sees more than 512 super-groups (G 4, 8 a super-group): every level searches
+def test_indexer_v2_selects_like_v1_where_every_level_searches():
+    # Past 64k tokens a query sees more than 512 super-groups (G 4, 8 a super-group), so each of v2's
+    # in-register top-k levels searches; v1 (torch.topk) chooses the same pools up to fp32 near-ties.
+    seq = 98304
     q, keys, w = _indexer_inputs(seq)
-    fused = _impl("dsa_indexer_topk", "triton_fused_select")
-    monkeypatch.setenv(tr.ENV_TOP, "wide")
-    wide = fused(q, keys, w, **KW)
-    monkeypatch.setenv(tr.ENV_TOP, top)
-    got = fused(q, keys, w, **KW)
-    assert torch.equal(got, wide), f"{int((got != wide).any(-1).sum())} of {seq} rows differ from the wide build"
+    got = _impl("dsa_indexer_topk", "triton_fused_select")(q, keys, w, **KW)
+    want = _impl("dsa_indexer_topk", "triton_two_pass")(q, keys, w, **KW)
+    mismatched = _near_ties_only(got, want, q, keys, w, KW)
+    assert mismatched <= seq // 20, f"{mismatched} of {seq} rows differ (all near-ties)"
 
 
 def test_indexer_v2_pieces_at_their_offsets_select_like_the_whole_sequence():

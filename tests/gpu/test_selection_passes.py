@@ -8,7 +8,6 @@ import torch
 
 import genolong.kernels as kernels
 from genolong.kernels import chunk_bounds_triton, sparse_mla
-from genolong.kernels.row_order import RowOrder
 from genolong.model import kept_selection
 from tests.gpu.test_kernels import _impl, _indexer_inputs
 
@@ -26,18 +25,13 @@ def selection():
 
 
 def _torch_bounds(idx, edges):
-    """key_chunk_rows' PyTorch passes (the default): a fresh order walks the rows as they are, so they
-    come back with their suffix-minimum ranges even when they do not ascend; its answer, once arrived."""
-    order = RowOrder()
-    walked, bounds = sparse_mla.key_chunk_rows(idx, edges, order=order)
-    assert walked is idx
-    torch.cuda.synchronize()
-    return bounds, order.latest()
+    """The PyTorch passes: the suffix-minimum ranges even for rows that do not ascend, and whether they do."""
+    bounds, ascends = sparse_mla.ascending_bounds_reference(idx, edges)
+    return bounds, bool(ascends)
 
 
 @pytest.mark.parametrize("key_chunk", [16384, 4096])
-def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk, monkeypatch):
-    monkeypatch.setenv(sparse_mla.ENV_BOUNDS, "torch")  # _torch_bounds: the PyTorch passes
+def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk):
     edges = torch.arange(0, selection.shape[0] + key_chunk, key_chunk, dtype=torch.int32, device=DEV)
     bounds, ascends = chunk_bounds_triton.ascending_bounds(selection, edges)
     want, want_ascends = _torch_bounds(selection, edges)

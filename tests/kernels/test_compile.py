@@ -133,18 +133,6 @@ def test_tilelang_sparse_mla_compiles_for_sm90(heads):
 
 
 @needs_triton
-def test_slot_major_sparse_backward_builds_as_warp_group_mmas_for_sm90():
-    # The probe configuration (Config.slot_major): 64 slots as the rows of every product, which
-    # sm_90 runs as wgmma; the head-major default (16 padded head rows) runs as mma.sync.
-    from genolong.kernels import aot, sparse_mla_triton as k
-
-    slots = k.aot_compile("bwd", 4, 512, k.Config(16, 64, 4, 1, slot_major=True), ranged=True)
-    heads = k.aot_compile("bwd", 4, 512, k.Config(16, 16, 4, 5), ranged=True)
-    assert slots.asm["ttgir"].count("warp_group_dot ") == 5 and "warp_group_dot " not in heads.asm["ttgir"]
-    assert slots.metadata.shared <= aot.SM90_SHARED_BYTES
-
-
-@needs_triton
 @pytest.mark.parametrize("width, n_bounds", [(2051, 9), (2051, 65)])  # glm53-mini's W: 128k and 1M tokens of 16k-key chunks
 def test_chunk_bounds_pass_compiles_for_sm90_without_spills(width, n_bounds):
     import triton

@@ -82,5 +82,5 @@ def test_only_int32_selections_with_power_of_two_pools_take_the_fused_passes_whe
     monkeypatch.setenv(kept_selection_triton.ENV, "torch")
     assert not kept_selection_triton.enabled(t, 4)
     monkeypatch.setenv(kept_selection_triton.ENV, "fast")
-    with pytest.raises(GenolongError, match="GENOLONG_KEPT_SELECTION='fast' is not triton or torch"):
+    with pytest.raises(GenolongError, match="GENOLONG_KEPT_SELECTION='fast' is not a setting; set it to one of triton, torch"):
         kept_selection_triton.enabled(t, 4)

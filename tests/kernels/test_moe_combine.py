@@ -84,10 +84,11 @@ def test_combine_kernels_compile_for_sm90_without_spills():
 
 
 def test_combine_setting_names_a_wrong_value(monkeypatch):
+    from genolong.errors import GenolongError
     from genolong.kernels.moe_combine_triton import combine_mode
 
     monkeypatch.setenv("GENOLONG_MOE_COMBINE", "atomic")
-    with pytest.raises(ValueError, match="GENOLONG_MOE_COMBINE='atomic': use one of index_add, triton"):
+    with pytest.raises(GenolongError, match="GENOLONG_MOE_COMBINE='atomic' is not a setting; set it to one of triton, index_add"):
         combine_mode()
     monkeypatch.delenv("GENOLONG_MOE_COMBINE")
     assert combine_mode() == "triton"
@@ -102,5 +103,5 @@ def test_dispatch_setting_names_a_wrong_value(monkeypatch):
     monkeypatch.setenv(ENV_DISPATCH, "index")
     assert dispatch_mode() == "index"
     monkeypatch.setenv(ENV_DISPATCH, "scatter")
-    with pytest.raises(GenolongError, match="GENOLONG_MOE_DISPATCH='scatter' is not a setting; set it to triton"):
+    with pytest.raises(GenolongError, match="GENOLONG_MOE_DISPATCH='scatter' is not a setting; set it to one of triton, index"):
         dispatch_mode()

@@ -75,7 +75,7 @@ def test_setting_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(router_topk.ENV, "torch")
     assert router_topk.setting() == "torch"
     monkeypatch.setenv(router_topk.ENV, "fused")
-    with pytest.raises(GenolongError, match="GENOLONG_ROUTER_TOPK='fused' is not one of torch, triton"):
+    with pytest.raises(GenolongError, match="GENOLONG_ROUTER_TOPK='fused' is not a setting; set it to one of triton, torch"):
         router_topk.setting()
 
 

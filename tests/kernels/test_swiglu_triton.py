@@ -125,10 +125,11 @@ def test_swiglu_kernels_compile_for_sm90_without_spills():
 
 
 def test_swiglu_setting_names_a_wrong_value(monkeypatch):
+    from genolong.errors import GenolongError
     from genolong.kernels.swiglu_triton import swiglu_mode
 
     monkeypatch.setenv("GENOLONG_MOE_SWIGLU", "fused")
-    with pytest.raises(ValueError, match="GENOLONG_MOE_SWIGLU='fused': use one of eager, triton"):
+    with pytest.raises(GenolongError, match="GENOLONG_MOE_SWIGLU='fused' is not a setting; set it to one of triton, eager, or unset it"):
         swiglu_mode()
     monkeypatch.delenv("GENOLONG_MOE_SWIGLU")
     assert swiglu_mode() == "triton"  # the default since the H200 measurement
