@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import SIZES, baseline_indexer, measure  # noqa: E402
 
-from genolong.kernels import indexer_topk, indexer_triton  # noqa: E402
+from genolong.kernels.indexer import topk as indexer_topk
+from genolong.kernels.indexer import triton_kernels as indexer_triton  # noqa: E402
 from genolong.model import get_preset  # noqa: E402
 
 # Pass 1 v2 tiles (BM, BN, warps, stages), the default first; each fits sm_90's shared memory.

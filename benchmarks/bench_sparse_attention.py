@@ -11,7 +11,7 @@ kernels against megatron-core's padded TileLang kernel and dense causal SDPA.
    implementation):
    - `triton`: the op as a training step runs it (forward, then the key-chunked backward);
    - `triton-fwd`, `triton-bwd`: its forward alone, its backward alone (out and lse from one forward);
-   - `megatron`, `megatron-fwd`: megatron-core's TileLang op (genolong/kernels/dsa_sparse_tilelang.py,
+   - `megatron`, `megatron-fwd`: megatron-core's TileLang op (genolong/kernels/sparse_mla/tilelang.py,
      W 2051 padded to 2112, q/kv to 576, heads to 16), with backward / forward alone;
    - `sdpa`: dense causal SDPA with the same heads, 128 wide.
    Default cells: the plan below x `--impls` (+ forward-only cells at 128k x 4 heads); `--cells`
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import SIZES, measure  # noqa: E402
 
 import genolong.kernels as kernels  # noqa: E402
-from genolong.kernels import sparse_mla  # noqa: E402
+from genolong.kernels.sparse_mla import op as sparse_mla  # noqa: E402
 from genolong.model import get_preset, ops  # noqa: E402
 from genolong.model.dsa import sparse_attention_reference  # noqa: E402
 

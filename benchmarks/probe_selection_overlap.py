@@ -3,7 +3,7 @@ that walks the *union* of a query group's selections move fewer bytes than v1's?
 
     python benchmarks/probe_selection_overlap.py --data /tmp/bundled --seq 128k --out $OUT/overlap
 
-DSA selects pools of consecutive keys per query. v1's backward (genolong/kernels/sparse_mla.py)
+DSA selects pools of consecutive keys per query. v1's backward (genolong/kernels/sparse_mla/op.py)
 handles every (query, slot) pair on its own: each selected key row is gathered and its fp32 dkv
 row added once per query that selected it. A "union" backward would let G queries (G x heads =
 16: the tensor-core rows v1 pads 4 heads to anyway) share one walk over the distinct keys of

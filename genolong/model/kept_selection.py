@@ -19,7 +19,7 @@ from genolong.model import ops
 # Rows compared per pass when checking that a selection packs (bounds the check's temporaries).
 _CHECK_ROWS = 1 << 16
 # One-pass versions of the check and the expansion, applied from outside by genolong.kernels.load()
-# (genolong/kernels/kept_selection_triton.py): "enabled"(t, kpool), "pack"(idx, kpool=, topk_pools=)
+# (genolong/kernels/indexer/kept_selection.py): "enabled"(t, kpool), "pack"(idx, kpool=, topk_pools=)
 # -> (pools, tail, differs), "expand"(pools, tail, kpool=). Empty: the PyTorch passes below.
 FUSED: dict = {}
 

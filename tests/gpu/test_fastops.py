@@ -33,7 +33,7 @@ def test_indexer_v2_selection_identical_to_reference(heads):
     assert mismatched <= seq // 20, f"{mismatched} of {seq} rows differ (all near-ties)"
     print(f"v2, {heads} heads: {mismatched} of {seq} rows differ from the reference, all within fp32 rounding")
     # Rows ascend apart from empty slots: the sparse backward walks them without sorting.
-    from genolong.kernels.sparse_mla import key_chunk_rows
+    from genolong.kernels.sparse_mla.op import key_chunk_rows
 
     rows = got[0].contiguous()
     assert key_chunk_rows(rows, torch.tensor([0, 4096, seq], dtype=torch.int32, device=DEV))[0] is rows
@@ -62,8 +62,8 @@ def test_indexer_v2_pieces_at_their_offsets_select_like_the_whole_sequence():
 
 
 def test_indexer_v2_many_chunks_equals_one_chunk():
-    from genolong.kernels import indexer_topk as it
-    from genolong.kernels import indexer_triton as tr
+    from genolong.kernels.indexer import topk as it
+    from genolong.kernels.indexer import triton_kernels as tr
 
     q, keys, w = _indexer_inputs(8192)
     kw = dict(KW, topk_pools=256, group_max=tr.group_max_v2, select_groups=tr.select_groups, select=tr.select_candidates)
@@ -77,8 +77,8 @@ def test_indexer_v2_pass1_kernels_and_tiles_launch_and_agree(heads):
     # The H200 refused v2's pass 1 for shared memory once (2026-12-01): every tile of the
     # benchmark's sweep must launch, and both pass-1 kernels (q held per program, q streamed) must
     # give the maxima the PyTorch pass 1 gives, up to fp32 summation order.
-    from genolong.kernels import indexer_topk as it
-    from genolong.kernels import indexer_triton as tr
+    from genolong.kernels.indexer import topk as it
+    from genolong.kernels.indexer import triton_kernels as tr
 
     seq = 8192
     q, keys, w = _indexer_inputs(seq, heads=heads)
@@ -114,7 +114,7 @@ def test_short_conv_fla_outputs_and_gradients():
 
 
 def test_sinkhorn_kernels_outputs_and_gradients():
-    from genolong.kernels import mhc_sinkhorn as ms
+    from genolong.kernels.mhc import sinkhorn as ms
     from genolong.model.mhc import sinkhorn
 
     x = torch.softmax(torch.randn(100_003, 4, 4, device=DEV, dtype=torch.float64) * 2, -1) + 1e-6
@@ -128,7 +128,7 @@ def test_sinkhorn_kernels_outputs_and_gradients():
 
 @pytest.mark.parametrize("tokens,experts,k", [(65536, 64, 4), (16384, 288, 8), (1000, 10, 3)])
 def test_router_topk_kernel_picks_torch_topks_experts(tokens, experts, k):
-    from genolong.kernels.router_topk import router_topk_triton
+    from genolong.kernels.moe.router_topk import router_topk_triton
 
     scores = torch.rand(tokens, experts, device=DEV)  # distinct almost surely: one right answer
     scores[:7] = 0.5  # and rows of ties, to the lower indices

@@ -1,13 +1,14 @@
 """The one-pass integer kernels over the indexer's selection on a CUDA GPU (skipped without one):
-the key-chunked backward's row bounds (chunk_bounds_triton.py) and the kept selection's pack check
-and expansion (kept_selection_triton.py), each equal to its PyTorch form on the fused indexer's
+the key-chunked backward's row bounds (sparse_mla/chunk_bounds.py) and the kept selection's pack check
+and expansion (indexer/kept_selection.py), each equal to its PyTorch form on the fused indexer's
 selection of 64k tokens (W = 2,051) and on rows that do not ascend or do not pack."""
 
 import pytest
 import torch
 
 import genolong.kernels as kernels
-from genolong.kernels import chunk_bounds_triton, sparse_mla
+from genolong.kernels.sparse_mla import chunk_bounds as chunk_bounds_triton
+from genolong.kernels.sparse_mla import op as sparse_mla
 from genolong.model import kept_selection
 from tests.gpu.test_kernels import _impl, _indexer_inputs
 
@@ -44,7 +45,7 @@ def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk):
 
 
 def test_kept_selection_passes_equal_the_pytorch_passes(selection, monkeypatch):
-    from genolong.kernels import kept_selection_triton
+    from genolong.kernels.indexer import kept_selection as kept_selection_triton
 
     monkeypatch.setenv(kept_selection_triton.ENV, "triton")  # (the default; set against a stray setting)
     idx = selection.view(1, *selection.shape)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import genolong.kernels as kernels
-from genolong.kernels import _common, sparse_mla
+from genolong.kernels import _common
+from genolong.kernels.sparse_mla import op as sparse_mla
 from genolong.model import ops
 from genolong.model.dsa import sparse_attention_reference
 

@@ -1,4 +1,4 @@
-"""The fused row bounds of the key-chunked sparse backward (chunk_bounds_triton.py) in Triton's
+"""The fused row bounds of the key-chunked sparse backward (sparse_mla/chunk_bounds.py) in Triton's
 interpreter: the same bounds and the same "rows ascend" answer as the PyTorch passes of
 sparse_mla.ascending_bounds_reference, on rows with empty slots first, inside and last, all-empty rows, widths
 that are not a power of two, keys on the chunk edges, and rows that do not ascend."""
@@ -12,7 +12,8 @@ from tests.kernels.interpreted import run_cases  # noqa: E402
 _INTERPRETED = r"""
 import json, sys
 import torch
-from genolong.kernels import chunk_bounds_triton, sparse_mla
+from genolong.kernels.sparse_mla import chunk_bounds as chunk_bounds_triton
+from genolong.kernels.sparse_mla import op as sparse_mla
 
 def torch_form(idx, edges):
     # The PyTorch passes: the suffix-minimum ranges even for rows that do not ascend.

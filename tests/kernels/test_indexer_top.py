@@ -15,7 +15,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 _INTERPRETED = r"""
 import torch, triton, triton.language as tl
-from genolong.kernels import indexer_triton as it
+from genolong.kernels.indexer import triton_kernels as it
 
 @triton.jit
 def _probe(s_ptr, chosen_ptr, slot_ptr, take_ptr, n, N: tl.constexpr, TOPK: tl.constexpr):
@@ -86,7 +86,8 @@ def test_the_top_k_chooses_what_a_stable_sort_chooses():
 def test_the_selection_kernels_build_for_sm90_without_spills_in_few_registers(seq):
     # The uint32 keys are the point: an int64 build of the group selection took ~224 registers a
     # thread (an SM held two 4-warp programs).
-    from genolong.kernels import aot, indexer_triton as it
+    from genolong.kernels import aot
+    from genolong.kernels.indexer import triton_kernels as it
 
     usage = {name: aot.ptxas_usage(k) for name, k in it.aot_compile_v2(4, 128, 4, 4, seq=seq).items() if name.startswith("select")}
     for name, (regs, spilled) in usage.items():

@@ -6,7 +6,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from genolong.kernels import indexer_topk, indexer_triton
+from genolong.kernels.indexer import topk as indexer_topk
+from genolong.kernels.indexer import triton_kernels as indexer_triton
 
 
 def _q(heads):

@@ -19,7 +19,7 @@ def test_every_kda_implementation_takes_the_state_keywords():
 
 
 def test_kda_fla_declines_a_cpu_initial_state():
-    from genolong.kernels.kda_fla import kda_fla
+    from genolong.kernels.kda.fla_chunk import kda_fla
 
     q = torch.randn(1, 8, 2, 16)
     state = torch.zeros(1, 2, 16, 16)
@@ -32,7 +32,7 @@ def _fake_fla(monkeypatch):
     import sys
     import types
 
-    from genolong.kernels import kda_fla as mod
+    from genolong.kernels.kda import fla_chunk as mod
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""mHC's Sinkhorn kernels (genolong/kernels/mhc_sinkhorn.py) against the model's reference: the Triton
+"""mHC's Sinkhorn kernels (genolong/kernels/mhc/sinkhorn.py) against the model's reference: the Triton
 code in Triton's CPU interpreter (outputs and gradients), the custom op's autograd, the sm_90 build."""
 
 import importlib.util
@@ -15,7 +15,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 _INTERPRETED = """
 import torch
-from genolong.kernels import mhc_sinkhorn as ms
+from genolong.kernels.mhc import sinkhorn as ms
 from genolong.model.mhc import sinkhorn
 g = torch.Generator().manual_seed(0)
 # 150 tokens: a full block of 128 and a masked tail; iters 20 (the model's) and 1 (no row pass).
@@ -45,7 +45,7 @@ def test_triton_sinkhorn_in_the_interpreter_matches_the_reference():
 
 
 def test_custom_op_gradient_equals_the_reference():
-    from genolong.kernels import mhc_sinkhorn  # noqa: F401  (registers the op)
+    from genolong.kernels.mhc import sinkhorn as mhc_sinkhorn  # noqa: F401  (registers the op)
 
     g = torch.Generator().manual_seed(1)
     x = torch.softmax(torch.randn(2, 5, 4, 4, generator=g), -1) + 1e-6
@@ -61,7 +61,7 @@ def test_custom_op_gradient_equals_the_reference():
 
 
 def test_supported_names_what_it_declines():
-    from genolong.kernels.mhc_sinkhorn import supported
+    from genolong.kernels.mhc.sinkhorn import supported
 
     assert "fp32" in supported(torch.ones(3, 4, 4, dtype=torch.bfloat16))
     assert "square" in supported(torch.ones(3, 4, 3))
@@ -69,7 +69,7 @@ def test_supported_names_what_it_declines():
 
 @needs_triton
 def test_sinkhorn_kernels_compile_for_sm90_without_spills():
-    from genolong.kernels import mhc_sinkhorn
+    from genolong.kernels.mhc import sinkhorn as mhc_sinkhorn
 
     from genolong.kernels import aot
 

@@ -18,7 +18,7 @@ _INTERPRETED = INTERPRETER_PATCH + r"""
 import json
 import torch
 
-from genolong.kernels import sparse_mla
+from genolong.kernels.sparse_mla import op as sparse_mla
 from genolong.model.sparse_replay import sparse_attention_replay_reference
 
 g = torch.Generator().manual_seed(5)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from genolong.errors import GenolongError
-from genolong.kernels import sparse_mla
+from genolong.kernels.sparse_mla import op as sparse_mla
 from genolong.model.ops import KernelUnsupported
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -51,7 +51,7 @@ CASES = {
              query_chunks=3),
     "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", key_chunk=8),
     # Rows that do not ascend, walked unsorted: what the backward does until the answer to "do the
-    # rows ascend?" (row_order.py, read without a host sync) has come back. Same gradients, by the
+    # rows ascend?" (sparse_mla/row_order.py, read without a host sync) has come back. Same gradients, by the
     # kernel's absolute key addressing; the first query chunk is walked so, the later ones sorted.
     "fp32 random rows walked unsorted before their order is known, key chunks of 8, 3 query chunks":
         dict(batch=2, seq=40, heads=4, dim=32, sel="random", width=13, dtype="float32", key_chunk=8,
@@ -77,9 +77,10 @@ _INTERPRETED = INTERPRETER_PATCH + r"""
 import json, os, sys
 import torch
 
-from genolong.kernels import _common, sparse_mla
-from genolong.kernels.row_order import RowOrder
-from genolong.kernels.sparse_mla_triton import Config
+from genolong.kernels import _common
+from genolong.kernels.sparse_mla import op as sparse_mla
+from genolong.kernels.sparse_mla.row_order import RowOrder
+from genolong.kernels.sparse_mla.triton_kernels import Config
 from genolong.model.dsa import sparse_attention_reference
 from genolong.model.indexer import indexer_topk_reference
 
@@ -251,7 +252,7 @@ def test_kernels_compile_for_sm90_without_spills(heads):
     # the lengths and head count are not specialised): tensor cores, asynchronous gathers, no
     # spills, and shared memory within what an H200 block may have.
     from genolong.kernels import aot
-    from genolong.kernels import sparse_mla_triton as k
+    from genolong.kernels.sparse_mla import triton_kernels as k
 
     builds = {}
     for kind in ("fwd", "bwd"):
@@ -309,7 +310,7 @@ def test_key_chunk_rows_sort_when_one_row_does_not_ascend():
 
 
 def test_key_chunk_rows_with_an_order_walk_by_the_latest_answer_and_send_their_own():
-    from genolong.kernels.row_order import RowOrder
+    from genolong.kernels.sparse_mla.row_order import RowOrder
 
     idx = torch.tensor([[0, -1, 3, 9], [5, 2, -1, 7]], dtype=torch.int32)  # row 1 does not ascend
     edges = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
@@ -331,7 +332,7 @@ def test_key_chunk_rows_with_an_order_walk_by_the_latest_answer_and_send_their_o
 
 @needs_triton
 def test_the_backward_packs_only_where_half_the_head_block_is_free():
-    from genolong.kernels.sparse_mla_triton import Config, packs
+    from genolong.kernels.sparse_mla.triton_kernels import Config, packs
 
     assert packs(4, Config(16, 16, 4, 5)) and packs(8, Config(16, 16, 4, 5)) and packs(16, Config(32, 16, 8, 5))
     assert not packs(9, Config(16, 16, 4, 5)) and not packs(16, Config(16, 16, 4, 5))

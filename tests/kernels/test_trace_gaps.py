@@ -100,10 +100,10 @@ def test_a_call_site_is_named_by_the_package_not_by_a_directory_called_genolong(
     import traceback
     from pathlib import Path
 
-    import genolong.kernels.moe_grouped as ours
+    import genolong.kernels.moe.grouped as ours
     from sync_census import site
 
     torch_frame = traceback.FrameSummary("/home/me/genolong/.venv/lib/python3.11/site-packages/torch/functional.py", 10, "bincount")
     our_frame = traceback.FrameSummary(str(Path(ours.__file__)), 70, "experts_grouped")
-    assert site([our_frame, torch_frame]) == "genolong/kernels/moe_grouped.py:70 experts_grouped"
+    assert site([our_frame, torch_frame]) == "genolong/kernels/moe/grouped.py:70 experts_grouped"
     assert site([torch_frame]) == "functional.py:10 bincount"  # nothing of ours: the innermost frame

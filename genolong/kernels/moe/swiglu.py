@@ -1,6 +1,6 @@
 """The MoE experts' clamped SwiGLU as one Triton pass forward and one backward.
 
-The grouped path (moe_grouped.py) runs h = silu(min(gate, L)) * clamp(up, -L, L) on the gate/up
+The grouped path (moe/grouped.py) runs h = silu(min(gate, L)) * clamp(up, -L, L) on the gate/up
 product [rows, 2I] of every chunk (rows = tokens x top-k). Eager, that is four kernels forward
 (two clamps, silu, the product; each result rounded to bf16 and written) and autograd's chain of
 about a dozen backward (the clamps' masks, silu's backward, the product's two sides, the two

@@ -249,7 +249,7 @@ def _check(index_q, pool_keys, head_weights):
 
 def _triton():
     try:
-        from genolong.kernels import indexer_triton
+        from genolong.kernels.indexer import triton_kernels as indexer_triton
     except ImportError as why:
         raise KernelUnsupported(f"triton is not importable: {why}") from why
     return indexer_triton

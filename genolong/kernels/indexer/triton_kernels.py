@@ -1,4 +1,4 @@
-"""The Triton passes of the fused indexer (see indexer_topk.py for the algorithm).
+"""The Triton passes of the fused indexer (see indexer/topk.py for the algorithm).
 
 Two generations live here side by side, so the benchmark can time them on the same input:
 
@@ -353,7 +353,7 @@ def _select_groups_kernel(gmax_ptr, sg_ptr, scratch_ptr, gidx_ptr, gval_ptr, n_g
                           stride_gm, stride_sg, stride_sc, stride_gt,
                           SG: tl.constexpr, NSG: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
     # One query per program. The top TOPK groups lie in the top TOPK super-groups (the argument of
-    # indexer_topk.py once more, one level up): choose those from the row of super-group maxima,
+    # indexer/topk.py once more, one level up): choose those from the row of super-group maxima,
     # then the top TOPK groups among their SG * TOPK groups. Replaces torch.topk over the whole row
     # of group maxima (SG times longer) with two selections in registers.
     row = tl.program_id(0).to(tl.int64)

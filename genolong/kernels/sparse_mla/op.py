@@ -1,4 +1,4 @@
-"""DSA sparse attention on genolong's few-head Triton sparse-MLA kernels (sparse_mla_triton.py).
+"""DSA sparse attention on genolong's few-head Triton sparse-MLA kernels (sparse_mla/triton_kernels.py).
 
 Built for what every GPU of a GLM-5.3 run executes: 4 heads (glm53-mini), 8 / 16 (GLM-5.3-Flash
 at tensor parallelism 8 / 4), 64 (whole). Unlike megatron-core's TileLang kernel it needs no
@@ -7,7 +7,7 @@ selected latent row once per query for all its heads, and adds dkv once per (slo
 summing over the heads. docs/kernels.md has the design and the bytes-per-query analysis.
 
 dkv: each query's row is put in key order (sorted, unless its keys already ascend, as the fused
-indexer writes them; which of the two is learned without a host sync, row_order.py), and the pass
+indexer writes them; which of the two is learned without a host sync, sparse_mla/row_order.py), and the pass
 runs key chunk by key chunk (programs ordered chunk-major), so the kv rows and fp32 dkv rows in use
 fit in L2; dq becomes a partial sum per chunk, added into an fp32 buffer. Rows are processed in
 query chunks sized from a byte budget (the sort, the chunk ranges and the fp32 dq of a chunk). With
@@ -31,7 +31,8 @@ import torch
 from genolong import switches
 from genolong.errors import GenolongError
 from genolong.kernels import _common
-from genolong.kernels.row_order import RowOrder
+from genolong.kernels.sparse_mla.reference import ascending_bounds_reference, searched_bounds
+from genolong.kernels.sparse_mla.row_order import RowOrder
 from genolong.model.ops import KernelUnsupported
 
 ENV_SWITCH = "GENOLONG_SPARSE_MLA"
@@ -39,7 +40,7 @@ ENV_SWITCH = "GENOLONG_SPARSE_MLA"
 # L2. Measured (bench_sparse_attention.py probes, 2026-12-02): 512k x 4 heads 1,213 ms vs 1,341 at
 # 8192 and 1,582 at 4096; 128k 276.7 vs 275.5 at 8192, 296 at 32768.
 KEY_CHUNK = 16384
-# What the backward has learned of its rows' order (row_order.py): one per process, since one
+# What the backward has learned of its rows' order (sparse_mla/row_order.py): one per process, since one
 # model's DSA layers share one selection kernel.
 ROW_ORDER = RowOrder()
 QUERY_BUDGET_BYTES = 1 << 30
@@ -74,7 +75,7 @@ def candidates(kind: str, heads: int, dim: int) -> list:
     double-buffered only from 5 pipeline stages on (the index load is a stage of its own); a
     backward program with 64 heads needs more than 227 KiB, so the backward takes at most 32
     heads per program."""
-    from genolong.kernels.sparse_mla_triton import Config, head_block
+    from genolong.kernels.sparse_mla.triton_kernels import Config, head_block
 
     hb = head_block(heads)
     if kind.startswith("fwd"):
@@ -143,7 +144,7 @@ def _aligned(rows: int) -> int:
 
 
 def _forward(q, kv, idx, scale, config=None):
-    from genolong.kernels import sparse_mla_triton as k
+    from genolong.kernels.sparse_mla import triton_kernels as k
 
     batch, seq, heads, dim = q.shape
     rows = q.view(-1, heads, dim)
@@ -168,23 +169,6 @@ def backward_row_bytes(width: int, heads: int, dim: int, n_chunks: int) -> int:
     return width * 20 + (n_chunks + 1) * 12 + heads * dim * 4
 
 
-def ascending_bounds_reference(idx: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bounds [n, C + 1] int32 of rows walked as they are, a 0-d bool "every row ascends apart from
-    its empty slots") in PyTorch: the reference of chunk_bounds_triton.ascending_bounds, equal to it
-    exactly (integers only), and the form used where that kernel cannot run. The bounds come from
-    each slot's smallest key at or after it, which ascends: an empty slot joins the range of the
-    next key (the kernel skips it), trailing ones no range."""
-    filled = torch.where(idx >= 0, idx, torch.iinfo(idx.dtype).max)
-    suffix_min = filled.flip(-1).cummin(-1).values.flip(-1)
-    del filled
-    ascends = ((idx < 0) | (idx == suffix_min)).all()
-    return _searched_bounds(suffix_min, edges), ascends
-
-
-def _searched_bounds(ascending: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    return torch.searchsorted(ascending, edges.expand(ascending.shape[0], -1).contiguous(), out_int32=True)
-
-
 def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, order: RowOrder | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows the key-chunked pass walks, bounds [n, C + 1] int32): row r's slots of key chunk c are
     [bounds[r, c], bounds[r, c + 1]) of its walked row; every valid slot lies in exactly one range.
@@ -192,14 +176,14 @@ def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, order: RowOrder | Non
     Rows whose keys ascend apart from their empty (negative) slots are walked as they are: the fused
     indexer writes its pools in ascending order, then the tail, so this skips a sort of every row.
     Their bounds are `ascending_bounds_reference`'s (on CUDA, and in Triton's interpreter, its
-    one-pass kernel chunk_bounds_triton.py). Otherwise the rows are sorted (empty slots first).
+    one-pass kernel sparse_mla/chunk_bounds.py). Otherwise the rows are sorted (empty slots first).
 
     Without `order`: one host sync decides, and a range's keys always lie in its chunk. With the
-    backward's `order` (row_order.py): no sync; the rows are walked as they are while the latest
+    backward's `order` (sparse_mla/row_order.py): no sync; the rows are walked as they are while the latest
     answer that has arrived says they ascend, and this chunk's answer is sent on. Rows that do not
     ascend, walked so, give the same gradients (the kernel addresses keys absolutely), only slower."""
     if (idx.is_cuda or _interpreted()) and idx.dtype == torch.int32:
-        from genolong.kernels import chunk_bounds_triton
+        from genolong.kernels.sparse_mla import chunk_bounds as chunk_bounds_triton
 
         ranges, ascends = chunk_bounds_triton.ascending_bounds(idx.contiguous(), edges.contiguous())
     else:
@@ -213,7 +197,7 @@ def key_chunk_rows(idx: torch.Tensor, edges: torch.Tensor, order: RowOrder | Non
         return idx, ranges
     ranges = None  # freed before the sort
     walked = torch.sort(idx, dim=-1).values
-    return walked, _searched_bounds(walked, edges)
+    return walked, searched_bounds(walked, edges)
 
 
 def backward_rows_per_chunk(width: int, heads: int, dim: int, n_chunks: int, budget_bytes: int) -> int:
@@ -222,7 +206,7 @@ def backward_rows_per_chunk(width: int, heads: int, dim: int, n_chunks: int, bud
 
 def _backward(q, kv, idx, out, lse, dout, scale, key_chunk, budget_bytes, config=None):
     """dq and dkv: one query-major pass when the keys are one chunk, else key chunk by key chunk."""
-    from genolong.kernels import sparse_mla_triton as k
+    from genolong.kernels.sparse_mla import triton_kernels as k
 
     batch, seq, heads, dim = q.shape
     seq_kv = kv.shape[1]
@@ -347,7 +331,7 @@ def dsa_sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if not math.isfinite(scale):
         raise KernelUnsupported(f"scale must be finite, got {scale}")
     try:
-        import genolong.kernels.sparse_mla_triton  # noqa: F401
+        import genolong.kernels.sparse_mla.triton_kernels  # noqa: F401
     except ImportError as why:
         raise KernelUnsupported(f"triton is not importable: {why}") from why
     return sparse_mla(q, kv, indices, scale=scale, return_lse=return_lse)

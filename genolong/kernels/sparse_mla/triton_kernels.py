@@ -1,4 +1,4 @@
-"""Few-head sparse MLA in Triton: the kernels behind genolong/kernels/sparse_mla.py.
+"""Few-head sparse MLA in Triton: the kernels behind genolong/kernels/sparse_mla/op.py.
 
 One program owns one query and a block of HB of its heads (all of them up to 64): it gathers
 the query's selected latent rows in blocks of BN once for all those heads and multiplies them
@@ -22,7 +22,7 @@ allocated or written.
   (The names say "sparse_mla" so that profiles attribute them.)
 
 Slots hold key positions; -1 (and anything outside [0, S)) is an empty slot. All row offsets
-are 64-bit. Launchers take an explicit `Config`; sparse_mla.py chooses (and times) them.
+are 64-bit. Launchers take an explicit `Config`; sparse_mla/op.py chooses (and times) them.
 """
 
 from __future__ import annotations

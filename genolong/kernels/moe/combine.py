@@ -1,6 +1,6 @@
 """The MoE combine without atomics: each token's k expert outputs, weighted by the router, summed.
 
-The grouped path (moe_grouped.py) computes the experts' outputs in expert order and adds them back
+The grouped path (moe/grouped.py) computes the experts' outputs in expert order and adds them back
 to their tokens with a bf16 `index_add` — atomic adds to random rows (the 128k glm53-mini step
 on the H200 spent 285 ms in 504 bf16 index_add kernels, benchmarks/h200-2026-12-02-s6/
 call1-profile128k-kernels.txt; how much of it is the combine's was not separated), plus the fp32
