@@ -1,4 +1,4 @@
-"""This session's fast paths on a CUDA GPU against their references (skipped without one): the v2
+"""Fast paths on a CUDA GPU against their references (skipped without one): the v2
 indexer (also by pieces at their query offsets; pass 1's kernels and tiles), fla's short conv, the Sinkhorn kernels, and the
 compile pass on a glm53-mini model under the fused policy."""
 
