@@ -8,11 +8,9 @@ or --heads 32 for GLM-5.3-Flash's):
 - plain: the original work's version (einsum over heads + relu + weighted head sum + causal mask + topk
   over the [8k, pools] block, 8k queries per chunk), `bench_kernels.baseline_indexer`;
 - v1 G=<g> [sorted]: the two-pass path with two `torch.topk` calls (`indexer_two_pass`);
-- v2 G=<g>[:<top>]: per-head pass 1 with pipelined key loads (group and super-group maxima), the top
+- v2 G=<g>: per-head pass 1 with pipelined key loads (group and super-group maxima), the top
   groups chosen by a selection kernel, pass 2 choosing the final top-k and writing the token
-  indices itself (`indexer_fused_select`): no torch.topk; <top> names the selection kernels'
-  in-register top-k (`indexer_triton.TOP_BUILDS`: wide, narrow, narrow8; default GENOLONG_INDEXER_TOP's),
-  e.g. `--variants v2:4:wide,v2:4:narrow,v2:4:narrow8` times them side by side (same selections);
+  indices itself (`indexer_fused_select`): no torch.topk;
 - for each variant its cumulative stage times: v1 pass 1; + top groups; + pass 2; + final top-k
   (the expansion to token indices is the rest of the total); v2 pass 1; + select groups; + select;
 - v2 pass 1 alone with other tile shapes (BM x BN, warps, stages), each checked against the default.
@@ -24,7 +22,6 @@ variant on 256 sampled rows (pool sets); they may differ only on fp32 near-ties.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -35,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import SIZES, baseline_indexer, measure  # noqa: E402
 
-from genolong.kernels import indexer_topk, indexer_triton  # noqa: E402
+from genolong.kernels.indexer import topk as indexer_topk
+from genolong.kernels.indexer import triton_kernels as indexer_triton  # noqa: E402
 from genolong.model import get_preset  # noqa: E402
 
 # Pass 1 v2 tiles (BM, BN, warps, stages), the default first; each fits sm_90's shared memory.
@@ -67,7 +65,7 @@ def stages_v1(q, keys, w, *, kpool, topk_pools, scale, group, sorted_topk, upto)
             cand.topk(min(topk_pools, cand.shape[1]), dim=-1, sorted=sorted_topk)
 
 
-def stages_v2(q, keys, w, out, *, kpool, topk_pools, scale, group, upto, tile=None, top=None):
+def stages_v2(q, keys, w, out, *, kpool, topk_pools, scale, group, upto, tile=None):
     """v2 stopped after stage `upto` (1 pass 1, 2 select groups, 3 select = everything)."""
     bm, bn, warps, stages = tile or TILES[0]
     for t0, t1, t, visible in chunks(q, keys, kpool=kpool, topk_pools=topk_pools, group=group, v2=True):
@@ -75,21 +73,19 @@ def stages_v2(q, keys, w, out, *, kpool, topk_pools, scale, group, upto, tile=No
         maxima = indexer_triton.group_max_v2(qc, kc, wc, t, kpool=kpool, scale=scale, group=group, bm=bm, bn=bn,
                                              warps=warps, stages=stages)
         if upto >= 2:
-            gidx, gval = indexer_triton.select_groups(maxima, topk_pools, top=top)
+            gidx, gval = indexer_triton.select_groups(maxima, topk_pools)
         if upto >= 3:
             indexer_triton.select_candidates(qc, kc, wc, t, gidx, gval, out[0, t0:t1], kpool=kpool, scale=scale,
-                                             group=group, topk_pools=topk_pools, always_select_tail=True, top=top)
+                                             group=group, topk_pools=topk_pools, always_select_tail=True)
 
 
-def parse_variant(text: str) -> tuple[str, int, bool, str | None]:
-    """'v1:8', 'v1:8:sorted', 'v2:4' or 'v2:4:<top build>' -> (version, group, sorted, top build or None)."""
+def parse_variant(text: str) -> tuple[str, int, bool]:
+    """'v1:8', 'v1:8:sorted' or 'v2:4' -> (version, group, sorted)."""
     version, group, *rest = text.split(":")
-    ok = version in ("v1", "v2") and group.isdigit() and len(rest) <= 1
-    if ok and rest:
-        ok = rest[0] == "sorted" if version == "v1" else rest[0] in indexer_triton.TOP_BUILDS
+    ok = version in ("v1", "v2") and group.isdigit() and rest in ([], ["sorted"]) and not (version == "v2" and rest)
     if not ok:
-        raise SystemExit(f"--variants: {text!r} is not v1:<G>[:sorted] or v2:<G>[:{'|'.join(indexer_triton.TOP_BUILDS)}]")
-    return version, int(group), rest == ["sorted"], rest[0] if version == "v2" and rest else None
+        raise SystemExit(f"--variants: {text!r} is not v1:<G>[:sorted] or v2:<G>")
+    return version, int(group), rest == ["sorted"]
 
 
 def pool_sets(out: torch.Tensor, kpool: int, rows: torch.Tensor) -> list[set]:
@@ -128,11 +124,11 @@ def main() -> None:
         log.flush()
         print(json.dumps(row), flush=True)
 
-    def full(version, group, srt, q, keys, w, top=None):
+    def full(version, group, srt, q, keys, w):
         if version == "v2":
             return lambda: indexer_topk.indexer_fused_select(q, keys, w, group=group, group_max=indexer_triton.group_max_v2,
-                                                             select_groups=functools.partial(indexer_triton.select_groups, top=top),
-                                                             select=functools.partial(indexer_triton.select_candidates, top=top), **kw)
+                                                             select_groups=indexer_triton.select_groups,
+                                                             select=indexer_triton.select_candidates, **kw)
         return lambda: indexer_topk.indexer_two_pass(q, keys, w, group=group, group_max=indexer_triton.group_max,
                                                      candidate_scores=indexer_triton.candidate_scores, sorted_topk=srt, **kw)
 
@@ -155,9 +151,9 @@ def main() -> None:
                    lambda: baseline_indexer(q, keys, w, kpool=ic.kpool, topk_pools=ic.topk_pools, scale=scale), 2)
         check_rows = torch.linspace(0, seq - 1, 256, device="cuda").long()
         ref_sets = None
-        for version, group, srt, top in variants:
-            name = f"{version} G={group}{' sorted' if srt else ''}{f' top {top}' if top else ''}"
-            run = full(version, group, srt, q, keys, w, top)
+        for version, group, srt in variants:
+            name = f"{version} G={group}{' sorted' if srt else ''}"
+            run = full(version, group, srt, q, keys, w)
             record(size, name, run, reps)
             sets = pool_sets(run(), ic.kpool, check_rows)
             if ref_sets is None:
@@ -174,8 +170,8 @@ def main() -> None:
                 out = torch.empty(1, seq, indexer_topk.out_width(ic.kpool, ic.topk_pools, True), dtype=torch.int32, device="cuda")
                 for upto, label in ((1, "pass 1"), (2, "+ select groups"), (3, "+ select (pass 2, top-k, expansion)")):
                     record(size, f"{name} stages: {label}",
-                           lambda upto=upto, group=group, out=out, top=top: stages_v2(
-                               q, keys, w, out, kpool=ic.kpool, topk_pools=ic.topk_pools, scale=scale, group=group, upto=upto, top=top),
+                           lambda upto=upto, group=group, out=out: stages_v2(
+                               q, keys, w, out, kpool=ic.kpool, topk_pools=ic.topk_pools, scale=scale, group=group, upto=upto),
                            reps)
                 del out
         if not args.no_tiles:

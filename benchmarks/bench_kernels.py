@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import genolong.kernels as kernels
-from genolong.kernels import indexer_topk, indexer_triton
+from genolong.kernels.indexer import topk as indexer_topk
+from genolong.kernels.indexer import triton_kernels as indexer_triton
 from genolong.model import get_preset, ops
 from genolong.model.dsa import DSAAttention
 from genolong.model.kda import KimiDeltaAttention

@@ -1,5 +1,5 @@
 """mHC around one layer's two sublayers on one GPU: the eager reference vs the fused Triton passes
-(genolong/kernels/mhc_fused.py), optionally vs torch.compile, at glm53-mini's and GLM-5.3-Flash's width.
+(genolong/kernels/mhc/fused.py), optionally vs torch.compile, at glm53-mini's and GLM-5.3-Flash's width.
 
     source .device/activate.sh && python benchmarks/bench_mhc.py --out $OUT/mhc [--compiled] [--budget-s 150]
 

@@ -1,5 +1,5 @@
 """The MoE combine on one GPU: the bf16 index_add vs the atomics-free Triton combine (the default since
-2026-12-02; genolong/kernels/moe_combine_triton.py, GENOLONG_MOE_COMBINE), forward + backward.
+2026-12-02; genolong/kernels/moe/combine.py, GENOLONG_MOE_COMBINE), forward + backward.
 
     source .device/activate.sh && python benchmarks/bench_moe_combine.py --out $OUT/moe_combine
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import measure  # noqa: E402
 
-from genolong.kernels import moe_combine_triton as mc  # noqa: E402
+from genolong.kernels.moe import combine as mc  # noqa: E402
 
 SHAPES = {"mini-128k": (131072, 4, 64, 512), "flash-64k": (65536, 8, 288, 4096)}  # tokens, top-k, experts, hidden
 

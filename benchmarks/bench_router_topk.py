@@ -1,5 +1,5 @@
 """The MoE router's top-k on one GPU: torch.topk (PyTorch's radix select, the default) vs the
-Triton kernel (genolong/kernels/router_topk.py, GENOLONG_ROUTER_TOPK=triton), side by side.
+Triton kernel (genolong/kernels/moe/router_topk.py, GENOLONG_ROUTER_TOPK=triton), side by side.
 
     source .device/activate.sh && python benchmarks/bench_router_topk.py --out $OUT/router_topk
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import measure  # noqa: E402
 
-from genolong.kernels.router_topk import router_topk_triton  # noqa: E402
+from genolong.kernels.moe.router_topk import router_topk_triton  # noqa: E402
 
 # tokens, experts, k: glm53-mini's MoE chunk at 128k (2 chunks a layer) and a whole 512k sequence;
 # a GLM-5.3-Flash-sized router (256 routed experts, top 8) at 64k tokens.

@@ -1,5 +1,5 @@
 """The MoE experts' clamped SwiGLU on one GPU: the eager expression vs the fused Triton pass
-(genolong/kernels/swiglu_triton.py, GENOLONG_MOE_SWIGLU), forward alone and forward + backward.
+(genolong/kernels/moe/swiglu.py, GENOLONG_MOE_SWIGLU), forward alone and forward + backward.
 
     source .device/activate.sh && python benchmarks/bench_swiglu.py --out $OUT/swiglu
 
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import measure  # noqa: E402
 
-from genolong.kernels import moe_grouped as mg, swiglu_triton as st  # noqa: E402
+from genolong.kernels.moe import grouped as mg
+from genolong.kernels.moe import swiglu as st  # noqa: E402
 
 SHAPES = {"mini-128k": (131072 * 4, 256), "flash-64k": (65536 * 8, 2048)}  # rows (tokens x top-k), expert width
 LIMIT = 10.0

@@ -64,7 +64,6 @@ REGISTRY: dict[str, Benchmark] = {
     "indexer": Benchmark("bench_indexer.py", "gpu", "the DSA indexer: Triton v2 vs v1 vs plain PyTorch, by stage"),
     "indexer_loss": Benchmark("bench_indexer_loss.py", "gpu", "the indexer's KL loss: parity, then time and memory"),
     "mhc": Benchmark("bench_mhc.py", "gpu", "mHC around a layer: eager vs the fused Triton passes"),
-    "sinkhorn": Benchmark("bench_sinkhorn.py", "gpu", "mHC's Sinkhorn backward kernels"),
     "moe_combine": Benchmark("bench_moe_combine.py", "gpu", "the MoE combine: index_add vs the Triton combine"),
     "swiglu": Benchmark("bench_swiglu.py", "gpu", "the MoE experts' clamped SwiGLU: eager vs fused"),
     "router_topk": Benchmark("bench_router_topk.py", "gpu", "the MoE router's top-k: torch.topk vs the Triton kernel"),

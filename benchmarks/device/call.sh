@@ -40,7 +40,6 @@ for stage in "$@"; do
     sparse) cmd="$B sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
     # mHC around a layer, eager vs the fused Triton passes, at glm53-mini's and GLM-5.3-Flash's width.
     mhc) cmd="$B mhc --budget-s $(( limit - 40 )) ${MHC_ARGS:-}" ;;
-    sinkhorn) cmd="$B sinkhorn ${SINKHORN_ARGS:-}" ;;
     moecombine) cmd="$B moe_combine ${MOECOMBINE_ARGS:-}" ;;
     swiglu) cmd="$B swiglu ${SWIGLU_ARGS:-}" ;;
     routertopk) cmd="$B router_topk ${ROUTERTOPK_ARGS:-}" ;;

@@ -15,8 +15,8 @@ import importlib
 FUSED = {
     # The few-head Triton kernel first; megatron-core's padded TileLang kernel stays selectable
     # (and is the benchmarks' baseline).
-    "dsa_sparse_attention": [("triton_sparse_mla", "genolong.kernels.sparse_mla", "dsa_sparse_attention"),
-                             ("tilelang_sparse_mla", "genolong.kernels.dsa_sparse_tilelang", "dsa_sparse_attention")],
+    "dsa_sparse_attention": [("triton_sparse_mla", "genolong.kernels.sparse_mla.op", "dsa_sparse_attention"),
+                             ("tilelang_sparse_mla", "genolong.kernels.sparse_mla.tilelang", "dsa_sparse_attention")],
     # indexer_topk.dsa_indexer_topk_chunked (plain PyTorch) is deliberately not registered: a
     # Triton failure must show up as a fallback, not as a silent 10x slower path.
     # v2 (in-kernel selections) first again, awaiting its GPU proof: on the H200 (2026-12-01,
@@ -24,22 +24,22 @@ FUSED = {
     # it now fits in the JIT-specialised sm_90 build (164 KiB at 4 heads, 80.5 KiB at 32,
     # tests/kernels/test_compile.py). v1 stays behind it and selectable by name.
     "dsa_indexer_topk": [
-        ("triton_fused_select", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused_select"),
-        ("triton_two_pass", "genolong.kernels.indexer_topk", "dsa_indexer_topk_fused"),
+        ("triton_fused_select", "genolong.kernels.indexer.topk", "dsa_indexer_topk_fused_select"),
+        ("triton_two_pass", "genolong.kernels.indexer.topk", "dsa_indexer_topk_fused"),
     ],
-    "kda": [("fla_chunk_kda", "genolong.kernels.kda_fla", "kda_fla")],
-    "kda_short_conv": [("fla_causal_conv1d", "genolong.kernels.kda_conv_fla", "short_conv_fla")],
-    "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe_grouped", "moe_experts_grouped")],
-    "dsa_indexer_loss": [("triton_pool_kl", "genolong.kernels.indexer_loss", "dsa_indexer_loss_fused")],
-    "mhc_mix_collapse": [("triton_mhc", "genolong.kernels.mhc_fused", "mhc_mix_collapse_fused")],
-    "mhc_expand": [("triton_mhc", "genolong.kernels.mhc_fused", "mhc_expand_fused")],
+    "kda": [("fla_chunk_kda", "genolong.kernels.kda.fla_chunk", "kda_fla")],
+    "kda_short_conv": [("fla_causal_conv1d", "genolong.kernels.kda.fla_conv", "short_conv_fla")],
+    "moe_experts": [("torch_grouped_mm", "genolong.kernels.moe.grouped", "moe_experts_grouped")],
+    "dsa_indexer_loss": [("triton_pool_kl", "genolong.kernels.indexer.loss", "dsa_indexer_loss_fused")],
+    "mhc_mix_collapse": [("triton_mhc", "genolong.kernels.mhc.fused", "mhc_mix_collapse_fused")],
+    "mhc_expand": [("triton_mhc", "genolong.kernels.mhc.fused", "mhc_expand_fused")],
 }
 
 # Implementations a recompute can replay from their forward's kept result (genolong.train.keep):
 # (op, implementation) -> (module, function). The megatron-core TileLang kernel has none (its
 # backward needs its own padded copies), so under it the sparse attention is simply recomputed.
 REPLAYS = {
-    ("dsa_sparse_attention", "triton_sparse_mla"): ("genolong.kernels.sparse_mla", "replay_dsa_sparse_attention"),
+    ("dsa_sparse_attention", "triton_sparse_mla"): ("genolong.kernels.sparse_mla.op", "replay_dsa_sparse_attention"),
 }
 
 # The references live beside the layers that use them; importing those modules registers them.
@@ -64,11 +64,11 @@ def load() -> dict[str, list[str]]:
 
 def _use_fused_kept_selection() -> None:
     """The kept selection's pack check and expansion as one Triton pass each, where triton imports
-    (kept_selection_triton.py decides per tensor: CUDA or the interpreter, int32, pools of 2^n)."""
+    (indexer/kept_selection.py decides per tensor: CUDA or the interpreter, int32, pools of 2^n)."""
     from genolong.model import kept_selection
 
     try:
-        from genolong.kernels import kept_selection_triton as fused
+        from genolong.kernels.indexer import kept_selection as fused
     except ImportError:  # no triton: the PyTorch passes
         return
     kept_selection.FUSED.update(enabled=fused.enabled, pack=fused.pack, expand=fused.expand)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from genolong.errors import env_choice
 from genolong.model import ops
 
 # Rows compared per pass when checking that a selection packs (bounds the check's temporaries).
 _CHECK_ROWS = 1 << 16
 # One-pass versions of the check and the expansion, applied from outside by genolong.kernels.load()
-# (genolong/kernels/kept_selection_triton.py): "enabled"(t, kpool), "pack"(idx, kpool=, topk_pools=)
+# (genolong/kernels/indexer/kept_selection.py): "enabled"(t, kpool), "pack"(idx, kpool=, topk_pools=)
 # -> (pools, tail, differs), "expand"(pools, tail, kpool=). Empty: the PyTorch passes below.
 FUSED: dict = {}
 
@@ -101,19 +100,9 @@ def _flag_stream(device: torch.device) -> torch.cuda.Stream:
     return _FLAG_STREAMS[key]
 
 
-ENV_CHECK = "GENOLONG_KEPT_PACK_CHECK"
-
-
-def _check_setting() -> str:
-    return env_choice(ENV_CHECK, "deferred", {"deferred": "the packing check's answer read once it has arrived",
-                                              "sync": "read at once: a host sync per DSA layer"})
-
-
 def pack_selection_deferred(idx: torch.Tensor, *, kpool: int, topk_pools: int):
     """`pack_selection` without the host sync: a PendingPack (its `resolve()` is the kept tuple), or
-    (idx,) when `idx` has no whole groups to pack. GENOLONG_KEPT_PACK_CHECK=sync: `pack_selection`."""
-    if _check_setting() == "sync":
-        return pack_selection(idx, kpool=kpool, topk_pools=topk_pools)
+    (idx,) when `idx` has no whole groups to pack."""
     parts = _packed_parts(idx, kpool=kpool, topk_pools=topk_pools)
     return (idx,) if parts is None else PendingPack(idx, *parts)
 

@@ -18,7 +18,7 @@ The math is in module-level functions of tensors (`mix_weights`, `sinkhorn`, `co
 only hold the parameters. These eager functions are the references of the fused versions and of
 the faster eager ones (genolong/model/mhc_eager.py). `HyperConnection` runs its two halves as the
 ops "mhc_mix_collapse" and "mhc_expand" (genolong.model.ops): their references are the faster
-eager functions, the fused Triton passes are genolong/kernels/mhc_fused.py.
+eager functions, the fused Triton passes are genolong/kernels/mhc/fused.py.
 """
 
 from __future__ import annotations

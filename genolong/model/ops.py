@@ -317,7 +317,7 @@ def checkpointed() -> bool:
     """Whether this call runs inside a layer checkpoint (forward or recompute). A checkpoint's forward
     drops what ops save and its recompute saves it only until the layer's backward, which follows at
     once, so an op there may save intermediates it would otherwise recompute in its own backward
-    (genolong.kernels.kda_fla) without holding them for the whole step."""
+    (genolong.kernels.kda.fla_chunk) without holding them for the whole step."""
     return _CHECKPOINTED.get()
 
 

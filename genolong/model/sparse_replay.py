@@ -4,7 +4,7 @@ Under full recompute a layer's forward runs twice; genolong.train.keep lets the 
 the "dsa_sparse_attention" result its forward recorded (out and the natural-log lse) instead of
 attending again. What the backward then needs is exactly what a flash-style kernel's backward
 reads: q, kv, the indices, out and lse. This module is that backward in plain PyTorch — the
-reference for the fused replays (genolong/kernels/sparse_mla.py) and what the CPU runs:
+reference for the fused replays (genolong/kernels/sparse_mla/op.py) and what the CPU runs:
 
     P = exp(scale q.k_j - lse)                   (the forward's probabilities, rebuilt)
     delta = sum_d dO * out                       (= sum_j P_j dP_j)

@@ -9,7 +9,7 @@ group, which is exactly genolong's sharding. So B must be 1 (the 1M path's batch
 declined with the reason, and under the "auto" policy the reference state passing runs instead
 (on the GPU that is fla's chunk kernel with an initial state, so still fused).
 
-Conventions are those of genolong.kernels.kda_fla / kda_conv_fla: q and k L2-normalised in the
+Conventions are those of genolong.kernels.kda.fla_chunk / kda_conv_fla: q and k L2-normalised in the
 kernel, g the per-channel log decay after the model's bounded transform, scale D^-0.5, the conv
 with SiLU in fp32 and the output in x's dtype.
 """

@@ -11,13 +11,13 @@ times. Regions:
 
 - mHC (`HyperConnection.forward`): the RMS statistic, the 24-logit projection, sigmoid /
   softmax, Sinkhorn and the pre collapse. Sinkhorn runs as `torch.ops.genolong.mhc_sinkhorn`
-  (genolong/kernels/mhc_sinkhorn.py: one Triton kernel per direction, only the input saved) on
+  (genolong/kernels/mhc/sinkhorn.py: one Triton kernel per direction, only the input saved) on
   CUDA, or is traced into the graph elsewhere. The collapse is a broadcast multiply-sum in fp32
   (one fused kernel) instead of a [T]-batched 1x4 matrix product.
 - mHC expand (`HyperConnection.expand`): post * out + comb^T streams, likewise fused.
 - `RMSNorm`, `GatedRMSNorm`, the MoE `Router` (sigmoid scores, bias, top-k, normalisation),
   the dense SwiGLU MLP (also the MoE's shared expert; its GEMMs stay cuBLAS calls). With
-  the router's top-k is `torch.ops.genolong.router_topk` (genolong/kernels/router_topk.py: one
+  the router's top-k is `torch.ops.genolong.router_topk` (genolong/kernels/moe/router_topk.py: one
   Triton pass instead of torch.topk's radix select; the default on CUDA since 2026-12-05,
   GENOLONG_ROUTER_TOPK=torch goes back to torch.topk).
 
@@ -34,11 +34,11 @@ switched (a tensor-parallel MLP) or wrapped for the mHC fp32-input ablation stay
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from genolong import switches
 from genolong.errors import GenolongError
 from genolong.model.mhc import HyperConnection
 from genolong.model.mlp import DenseMLP
@@ -73,7 +73,7 @@ class CompileHandle:
 def apply_compile(model: torch.nn.Module, *, sinkhorn: str | None = None, mhc: bool = True) -> CompileHandle:
     """Compile the small-op regions of `model` (module docstring). sinkhorn: "triton" (the fused
     kernels through the custom op), "inductor" (traced into the graph), None: triton on CUDA.
-    mhc=False leaves mHC to the hot ops (on the GPU, the fused passes of mhc_fused.py, 7-9x the
+    mhc=False leaves mHC to the hot ops (on the GPU, the fused passes of mhc/fused.py, 7-9x the
     eager mHC) and compiles only the norms, the router and the dense MLP."""
     from genolong.train.memory import Fp32InputMHC
     from genolong.train.wrapper import wrappers
@@ -84,7 +84,7 @@ def apply_compile(model: torch.nn.Module, *, sinkhorn: str | None = None, mhc: b
     if sinkhorn not in ("triton", "inductor"):
         raise GenolongError(f"sinkhorn must be 'triton' or 'inductor', got {sinkhorn!r}")
     if sinkhorn == "triton":
-        import genolong.kernels.mhc_sinkhorn  # noqa: F401  (registers torch.ops.genolong.mhc_sinkhorn)
+        import genolong.kernels.mhc.sinkhorn  # noqa: F401  (registers torch.ops.genolong.mhc_sinkhorn)
 
     handle = CompileHandle(model, sinkhorn, _start=_dynamo_counters())
     eager = {id(w.wrapped) for w in wrappers(model, Fp32InputMHC)}
@@ -238,13 +238,13 @@ class CompiledDenseMLP(DenseMLP):
 
 
 def _router_topk_triton(x: torch.Tensor) -> bool:
-    """Whether the compiled router picks its experts with genolong/kernels/router_topk.py's kernel:
+    """Whether the compiled router picks its experts with genolong/kernels/moe/router_topk.py's kernel:
     on CUDA unless GENOLONG_ROUTER_TOPK=torch (read at each call, so one process can time both)."""
-    if not x.is_cuda or os.environ.get("GENOLONG_ROUTER_TOPK") == "torch":
+    if not x.is_cuda or switches.get("GENOLONG_ROUTER_TOPK") == "torch":
         return False
-    from genolong.kernels import router_topk  # registers torch.ops.genolong.router_topk
+    from genolong.kernels.moe import router_topk  # noqa: F401  (registers torch.ops.genolong.router_topk)
 
-    return router_topk.setting() == "triton"
+    return True
 
 
 _COMPILED_CLASSES = (CompiledHyperConnection, CompiledRMSNorm, CompiledGatedRMSNorm, CompiledRouter, CompiledDenseMLP)

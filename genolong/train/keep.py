@@ -5,7 +5,7 @@ Full recompute (genolong.train.recompute) runs every layer's forward twice. For 
 second run repeats their two most expensive steps, whose results are cheap to keep: the indexer's
 selection (int32 [T, W]) and the sparse attention's output and lse ([T, H, Dl] + fp32 [T, H]),
 from which the attention's backward is computed exactly as after a fresh forward (the replays,
-genolong.model.sparse_replay and genolong.kernels.sparse_mla). In the 128k profile of glm53-mini
+genolong.model.sparse_replay and genolong.kernels.sparse_mla.op). In the 128k profile of glm53-mini
 these two steps ran twice per step for ~1.7 s of 11 s (H200, 2026-12-01).
 
 How: `KeptResults.context_fn` is the checkpoint's context_fn of every layer (Recompute(keep=...)).

@@ -226,7 +226,7 @@ def _kda_op_internals(config: ModelConfig, a: int) -> int:
     (Its normalised q and k replace the inputs q and k it does not keep.)
 
     Not itemised: inside a layer checkpoint it also keeps w, u, the gated q and k and v_new from
-    the recompute to its backward (genolong.kernels.kda_fla; 5 KiB a token for glm53-mini, 2.5 GiB
+    the recompute to its backward (genolong.kernels.kda.fla_chunk; 5 KiB a token for glm53-mini, 2.5 GiB
     at 512k). On the H200 they did not move the measured peak (512k: 104.38 GiB before and after;
     128k +0.41 GiB; 2026-12-03), while this plan, already 24 GiB above that peak at 512k, would
     offload two more layers than the run that measured it if they were counted here. Count them
@@ -568,7 +568,7 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
     if config.dsa_layers:
         ix = config.dsa.indexer
         pools = t.whole // ix.kpool
-        # The fused paths' per-query bytes, the larger of v1's (genolong.kernels.indexer_topk.indexer_two_pass:
+        # The fused paths' per-query bytes, the larger of v1's (genolong.kernels.indexer.topk.indexer_two_pass:
         # group maxima and their top-k copy, candidate scores, top-k values/indices, outputs) and
         # v2's (indexer_fused_select: twice the group maxima at its smaller groups, the candidate
         # scratch); which one runs depends on the head count. Each rank scores only its own

@@ -1,6 +1,11 @@
 """The profile's gap analysis (benchmarks/trace_gaps.py) on a hand-built trace whose gaps and causes
 are known: one host sync, one wait on another stream, one host-bound gap, one gap too small to count."""
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
 
 def _kernel(name, ts, dur, corr, stream=7):
     return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
@@ -27,7 +32,7 @@ def _trace():
 
 
 def test_gaps_are_found_and_their_causes_told_apart():
-    from benchmarks.trace_gaps import analyse
+    from trace_gaps import analyse
 
     s = analyse(_trace(), min_gap_us=5.0)
     assert s["compute_stream"] == [0, 7]
@@ -48,7 +53,7 @@ def test_gaps_are_found_and_their_causes_told_apart():
 
 
 def test_a_trace_without_host_calls_says_so_and_one_without_gpu_events_is_an_error():
-    from benchmarks.trace_gaps import analyse, report
+    from trace_gaps import analyse, report
 
     s = analyse([e for e in _trace() if e["cat"] != "cuda_runtime"])
     assert set(s["gaps_by_cause"]) == {"unknown (no host runtime calls in the trace)"}
@@ -59,7 +64,7 @@ def test_a_trace_without_host_calls_says_so_and_one_without_gpu_events_is_an_err
 def test_the_sync_census_counts_synchronising_calls_by_our_call_site():
     import warnings
 
-    from benchmarks.sync_census import census
+    from sync_census import census
 
     modes = []
 
@@ -76,7 +81,7 @@ def test_the_sync_census_counts_synchronising_calls_by_our_call_site():
 
 
 def test_launch_latency_another_threads_sync_and_nccl_streams_are_not_misread():
-    from benchmarks.trace_gaps import analyse
+    from trace_gaps import analyse
 
     events = [
         _host("cudaLaunchKernel", 0, 2, 1), _kernel("A", 10, 90, 1),  # A: 10-100
@@ -95,10 +100,10 @@ def test_a_call_site_is_named_by_the_package_not_by_a_directory_called_genolong(
     import traceback
     from pathlib import Path
 
-    import genolong.kernels.moe_grouped as ours
-    from benchmarks.sync_census import site
+    import genolong.kernels.moe.grouped as ours
+    from sync_census import site
 
     torch_frame = traceback.FrameSummary("/home/me/genolong/.venv/lib/python3.11/site-packages/torch/functional.py", 10, "bincount")
     our_frame = traceback.FrameSummary(str(Path(ours.__file__)), 70, "experts_grouped")
-    assert site([our_frame, torch_frame]) == "genolong/kernels/moe_grouped.py:70 experts_grouped"
+    assert site([our_frame, torch_frame]) == "genolong/kernels/moe/grouped.py:70 experts_grouped"
     assert site([torch_frame]) == "functional.py:10 bincount"  # nothing of ours: the innermost frame

@@ -48,7 +48,7 @@ def _sets(x):
 def _near_ties_only(got, ref, q, keys, w, kw, rel=1e-5):
     """Rows where the selections differ: every pool picked by one side only must score within
     `rel` of the row's top-k boundary (fp64 scores), i.e. differ only by fp32 rounding order."""
-    from genolong.kernels import indexer_topk as it
+    from genolong.kernels.indexer import topk as it
 
     # Rows whose sorted selections differ, found on the device; only those go through Python sets
     # (the sets of every row of a 12k x 2,051 selection take ~10 s each time they are built).
@@ -73,7 +73,7 @@ def test_indexer_selection_identical_to_reference(name):
     kw = dict(kpool=4, topk_pools=512, always_select_tail=True, softmax_scale=128**-0.5)
     ref = _impl("dsa_indexer_topk", "reference")(q, keys, w, **kw)
     if name == "torch_chunked":
-        from genolong.kernels import indexer_topk as it
+        from genolong.kernels.indexer import topk as it
 
         got = it.dsa_indexer_topk_chunked(q, keys, w, **kw)
     else:
@@ -88,8 +88,8 @@ def test_indexer_selection_identical_to_reference(name):
 
 
 def test_indexer_fused_many_chunks_equals_one_chunk():
-    from genolong.kernels import indexer_topk as it
-    from genolong.kernels import indexer_triton
+    from genolong.kernels.indexer import topk as it
+    from genolong.kernels.indexer import triton_kernels as indexer_triton
 
     q, keys, w = _indexer_inputs(8192)
     kw = dict(kpool=4, topk_pools=256, always_select_tail=True, softmax_scale=128**-0.5,
@@ -149,7 +149,7 @@ def test_kda_fla_outputs_and_gradients():
 def test_kda_fla_keeping_intermediates_under_a_checkpoint_matches_fla_default(with_state):
     """Inside a layer checkpoint fla keeps its intermediates (disable_recompute); the gradients must be
     the ones fla's default (recompute in backward) gives, for the inputs and the state."""
-    from genolong.kernels import kda_fla as mod
+    from genolong.kernels.kda import fla_chunk as mod
     from genolong.train.recompute import checkpointed
 
     b, t, h, d = 1, 1000, 4, 128

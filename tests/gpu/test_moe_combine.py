@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_triton_combine_in_bf16_matches_index_add():
-    from genolong.kernels import moe_combine_triton as mc
+    from genolong.kernels.moe import combine as mc
 
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens, k, hidden = 5000, 4, 512
@@ -64,7 +64,7 @@ def test_moe_block_with_the_read_side_dispatch_backward_matches_indexing(monkeyp
 
 
 def test_triton_dispatch_in_bf16_matches_indexing():
-    from genolong.kernels import moe_combine_triton as mc
+    from genolong.kernels.moe import combine as mc
 
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens, k, hidden = 5000, 4, 512

@@ -1,14 +1,14 @@
 """The one-pass integer kernels over the indexer's selection on a CUDA GPU (skipped without one):
-the key-chunked backward's row bounds (chunk_bounds_triton.py) and the kept selection's pack check
-and expansion (kept_selection_triton.py), each equal to its PyTorch form on the fused indexer's
+the key-chunked backward's row bounds (sparse_mla/chunk_bounds.py) and the kept selection's pack check
+and expansion (indexer/kept_selection.py), each equal to its PyTorch form on the fused indexer's
 selection of 64k tokens (W = 2,051) and on rows that do not ascend or do not pack."""
 
 import pytest
 import torch
 
 import genolong.kernels as kernels
-from genolong.kernels import chunk_bounds_triton, sparse_mla
-from genolong.kernels.row_order import RowOrder
+from genolong.kernels.sparse_mla import chunk_bounds as chunk_bounds_triton
+from genolong.kernels.sparse_mla import op as sparse_mla
 from genolong.model import kept_selection
 from tests.gpu.test_kernels import _impl, _indexer_inputs
 
@@ -26,18 +26,13 @@ def selection():
 
 
 def _torch_bounds(idx, edges):
-    """key_chunk_rows' PyTorch passes (the default): a fresh order walks the rows as they are, so they
-    come back with their suffix-minimum ranges even when they do not ascend; its answer, once arrived."""
-    order = RowOrder()
-    walked, bounds = sparse_mla.key_chunk_rows(idx, edges, order=order)
-    assert walked is idx
-    torch.cuda.synchronize()
-    return bounds, order.latest()
+    """The PyTorch passes: the suffix-minimum ranges even for rows that do not ascend, and whether they do."""
+    bounds, ascends = sparse_mla.ascending_bounds_reference(idx, edges)
+    return bounds, bool(ascends)
 
 
 @pytest.mark.parametrize("key_chunk", [16384, 4096])
-def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk, monkeypatch):
-    monkeypatch.setenv(sparse_mla.ENV_BOUNDS, "torch")  # _torch_bounds: the PyTorch passes
+def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk):
     edges = torch.arange(0, selection.shape[0] + key_chunk, key_chunk, dtype=torch.int32, device=DEV)
     bounds, ascends = chunk_bounds_triton.ascending_bounds(selection, edges)
     want, want_ascends = _torch_bounds(selection, edges)
@@ -50,7 +45,7 @@ def test_row_bounds_equal_the_pytorch_passes(selection, key_chunk, monkeypatch):
 
 
 def test_kept_selection_passes_equal_the_pytorch_passes(selection, monkeypatch):
-    from genolong.kernels import kept_selection_triton
+    from genolong.kernels.indexer import kept_selection as kept_selection_triton
 
     monkeypatch.setenv(kept_selection_triton.ENV, "triton")  # (the default; set against a stray setting)
     idx = selection.view(1, *selection.shape)

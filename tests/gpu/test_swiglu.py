@@ -8,7 +8,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_fused_swiglu_in_bf16_matches_the_eager_expression():
-    from genolong.kernels import moe_grouped as mg, swiglu_triton as st
+    from genolong.kernels.moe import grouped as mg
+    from genolong.kernels.moe import swiglu as st
 
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(20000, 512, generator=g, device="cuda") * 6).to(torch.bfloat16)  # many beyond the limit 10

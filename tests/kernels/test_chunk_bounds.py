@@ -1,32 +1,24 @@
-"""The fused row bounds of the key-chunked sparse backward (chunk_bounds_triton.py) in Triton's
+"""The fused row bounds of the key-chunked sparse backward (sparse_mla/chunk_bounds.py) in Triton's
 interpreter: the same bounds and the same "rows ascend" answer as the PyTorch passes of
-sparse_mla.key_chunk_rows, on rows with empty slots first, inside and last, all-empty rows, widths
+sparse_mla.ascending_bounds_reference, on rows with empty slots first, inside and last, all-empty rows, widths
 that are not a power of two, keys on the chunk edges, and rows that do not ascend."""
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
 from tests.kernels.interpreted import run_cases  # noqa: E402
 
-from genolong.errors import GenolongError
-from genolong.kernels import sparse_mla
-
 _INTERPRETED = r"""
 import json, sys
 import torch
-from genolong.kernels import chunk_bounds_triton, sparse_mla
-from genolong.kernels.row_order import RowOrder
+from genolong.kernels.sparse_mla import chunk_bounds as chunk_bounds_triton
+from genolong.kernels.sparse_mla import op as sparse_mla
 
 def torch_form(idx, edges):
-    # key_chunk_rows' PyTorch passes (GENOLONG_SPARSE_MLA_BOUNDS=torch, set by the test): with a fresh order the rows are
-    # walked as they are, so it returns the suffix-minimum ranges even for rows that do not ascend,
-    # and the order holds its answer (on the CPU it arrives at once).
-    order = RowOrder()
-    walked, bounds = sparse_mla.key_chunk_rows(idx, edges, order=order)
-    assert walked is idx
-    return bounds, order.latest()
+    # The PyTorch passes: the suffix-minimum ranges even for rows that do not ascend.
+    bounds, ascends = sparse_mla.ascending_bounds_reference(idx, edges)
+    return bounds, bool(ascends)
 
 for case in json.loads(sys.argv[1]):
     g = torch.Generator().manual_seed(case["seed"])
@@ -63,7 +55,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def interpreted():
-    return run_cases(_INTERPRETED, CASES, {sparse_mla.ENV_BOUNDS: "torch"})
+    return run_cases(_INTERPRETED, CASES)
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
@@ -77,9 +69,3 @@ def test_the_cases_include_rows_that_do_not_ascend(interpreted):
     assert not interpreted["one row breaks the order"]["want_ascends"]
     assert not interpreted["random rows"]["want_ascends"]
     assert interpreted["ascending, W 2051 (the model's), 9 chunks"]["want_ascends"]
-
-
-def test_a_bad_bounds_setting_is_one_line(monkeypatch):
-    monkeypatch.setenv(sparse_mla.ENV_BOUNDS, "cuda")
-    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_BOUNDS='cuda' is not triton or torch"):
-        sparse_mla.key_chunk_rows(torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32))

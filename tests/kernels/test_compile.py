@@ -27,14 +27,15 @@ def _megatron_missing() -> str | None:
 @needs_triton
 @pytest.mark.parametrize("heads,dim", [(4, 128), (32, 128)])  # glm53-mini, GLM-5.3-Flash indexers
 def test_triton_indexer_passes_compile_for_sm90(heads, dim):
-    from genolong.kernels import aot, indexer_triton
+    from genolong.kernels import aot
+    from genolong.kernels.indexer import triton_kernels as indexer_triton
 
     kernels = indexer_triton.aot_compile(heads, dim, kpool=4, group=8)
     group_max = kernels["group_max"].asm["ptx"]
     assert "wgmma" in group_max  # the scoring product runs on Hopper's warpgroup tensor cores
     assert ".local" not in group_max  # no register spills to local memory
     assert "mma" in kernels["candidate_scores"].asm["ptx"]
-    from genolong.kernels.indexer_topk import V2_GROUP
+    from genolong.kernels.indexer.topk import V2_GROUP
 
     v2 = indexer_triton.aot_compile_v2(heads, dim, kpool=4, group=V2_GROUP)  # the group selection at 1M tokens
     group_max = v2["group_max_v2"].asm["ptx"]
@@ -53,7 +54,8 @@ def test_triton_indexer_passes_compile_for_sm90(heads, dim):
 @pytest.mark.parametrize("heads", [4, 32])
 def test_every_v2_pass1_tile_fits_sm90_shared_memory(heads):
     # The benchmark's tile sweep launches each of these on the H200: none may ask for more.
-    from genolong.kernels import aot, indexer_triton
+    from genolong.kernels import aot
+    from genolong.kernels.indexer import triton_kernels as indexer_triton
 
     for tile in indexer_triton.PASS1_TILES:
         shared = indexer_triton.aot_compile_group_max_v2(heads, 128, kpool=4, group=8, tile=tile).metadata.shared
@@ -65,7 +67,8 @@ def test_every_v2_pass1_tile_fits_sm90_shared_memory(heads):
 def test_the_default_v2_pass1_fits_sm90_at_every_head_count_and_width(dim):
     # The op's own launch (the default tile, the kernel q_resident picks) at head dims it accepts:
     # at 256 wide, one or two heads' q blocks beside three key stages once asked for 233-266 KB.
-    from genolong.kernels import aot, indexer_triton
+    from genolong.kernels import aot
+    from genolong.kernels.indexer import triton_kernels as indexer_triton
 
     for heads in (1, 2, 3, 4, 8, 16, 32, 64):
         shared = indexer_triton.aot_compile_group_max_v2(heads, dim, kpool=4, group=4).metadata.shared
@@ -74,7 +77,9 @@ def test_the_default_v2_pass1_fits_sm90_at_every_head_count_and_width(dim):
 
 @needs_triton
 def test_build_check_specialises_like_the_jit():
-    from genolong.kernels import aot, indexer_triton, sparse_mla_triton
+    from genolong.kernels import aot
+    from genolong.kernels.indexer import triton_kernels as indexer_triton
+    from genolong.kernels.sparse_mla import triton_kernels as sparse_mla_triton
 
     # Triton's rules: pointers (torch allocations) and integers that are multiples of 16 are
     # marked divisible by 16, an integer equal to 1 becomes a constant, others are left alone.
@@ -104,7 +109,8 @@ def test_specialisation_is_what_makes_the_pipelined_loads_asynchronous():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from genolong.kernels import aot, indexer_triton
+    from genolong.kernels import aot
+    from genolong.kernels.indexer import triton_kernels as indexer_triton
 
     bm, bn, warps, stages = indexer_triton.PASS1_TILES[0]
     kernel = indexer_triton._pass1_v2_kernel(4, 128, bm, None)
@@ -124,7 +130,7 @@ def test_tilelang_sparse_mla_compiles_for_sm90(heads):
     missing = _megatron_missing()
     if missing:
         pytest.skip(missing)
-    from genolong.kernels import dsa_sparse_tilelang as dsa
+    from genolong.kernels.sparse_mla import tilelang as dsa
 
     sources = dsa.compile_kernels(heads, topk=2051, scale=128**-0.5)
     for name, src in sources.items():
@@ -133,23 +139,12 @@ def test_tilelang_sparse_mla_compiles_for_sm90(heads):
 
 
 @needs_triton
-def test_slot_major_sparse_backward_builds_as_warp_group_mmas_for_sm90():
-    # The probe configuration (Config.slot_major): 64 slots as the rows of every product, which
-    # sm_90 runs as wgmma; the head-major default (16 padded head rows) runs as mma.sync.
-    from genolong.kernels import aot, sparse_mla_triton as k
-
-    slots = k.aot_compile("bwd", 4, 512, k.Config(16, 64, 4, 1, slot_major=True), ranged=True)
-    heads = k.aot_compile("bwd", 4, 512, k.Config(16, 16, 4, 5), ranged=True)
-    assert slots.asm["ttgir"].count("warp_group_dot ") == 5 and "warp_group_dot " not in heads.asm["ttgir"]
-    assert slots.metadata.shared <= aot.SM90_SHARED_BYTES
-
-
-@needs_triton
 @pytest.mark.parametrize("width, n_bounds", [(2051, 9), (2051, 65)])  # glm53-mini's W: 128k and 1M tokens of 16k-key chunks
 def test_chunk_bounds_pass_compiles_for_sm90_without_spills(width, n_bounds):
     import triton
 
-    from genolong.kernels import aot, chunk_bounds_triton as cb
+    from genolong.kernels import aot
+    from genolong.kernels.sparse_mla import chunk_bounds as cb
 
     block = triton.next_power_of_2(width)
     kernel = aot.build(cb._chunk_bounds_kernel,
@@ -160,7 +155,8 @@ def test_chunk_bounds_pass_compiles_for_sm90_without_spills(width, n_bounds):
 
 @needs_triton
 def test_kept_selection_passes_compile_for_sm90_without_spills():
-    from genolong.kernels import aot, kept_selection_triton as ks
+    from genolong.kernels import aot
+    from genolong.kernels.indexer import kept_selection as ks
 
     args = dict(width="i32", topk="i32", tail_width="i32")
     blocks = dict(KPOOL=4, TOPK_B=512, TAIL_B=4)  # glm53-mini / GLM-5.3: 512 pools of 4 and a 3-slot tail

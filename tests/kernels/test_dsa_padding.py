@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from genolong.kernels import _common
-from genolong.kernels import dsa_sparse_tilelang as dsa
+from genolong.kernels.sparse_mla import tilelang as dsa
 from genolong.model.dsa import sparse_attention_reference
 from genolong.model.indexer import indexer_topk_reference
 

@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from genolong.kernels import _common
-from genolong.kernels import dsa_sparse_tilelang as dsa
-from genolong.kernels import indexer_loss as fused
+from genolong.kernels.sparse_mla import tilelang as dsa
+from genolong.kernels.indexer import loss as fused
 from genolong.model.dsa import sparse_attention_reference
 from genolong.model.indexer import indexer_topk_reference
 from genolong.model.indexer_loss import LOSS_QUERY_CHUNK
 
 _INTERPRETED = r"""
 import torch
-from genolong.kernels import _common, indexer_loss as fused
+from genolong.kernels import _common
+from genolong.kernels.indexer import loss as fused
 from genolong.model.dsa import sparse_attention_reference
 from genolong.model.indexer import indexer_topk_reference
 from genolong.model.indexer_loss import indexer_loss_reference
@@ -134,7 +135,7 @@ def test_query_chunks_follow_the_budget_not_the_length():
 def test_triton_kernels_compile_for_sm90_without_spills(shape):
     # The interpreter runs the kernels' logic; lowering for Hopper (dot shapes, bf16, atomics) is
     # only checked by a real compile, which needs no GPU.
-    from genolong.kernels import indexer_loss_triton
+    from genolong.kernels.indexer import loss_triton as indexer_loss_triton
 
     from genolong.kernels import aot
 

@@ -1,5 +1,5 @@
-"""The selection kernels' in-register top-k (`indexer_triton._top` and `_top_narrow`) against a
-sort: the same entries chosen, in the same slots, for every build in TOP_BUILDS.
+"""The selection kernels' in-register top-k (`indexer_triton._top_narrow`) against a sort: the same
+entries chosen, in the same slots.
 
 The reference orders entries by the documented key (fp32 bit pattern made order-preserving, so
 -0.0 sorts below +0.0; -inf and NaN are never chosen) and breaks ties by the lower index; chosen
@@ -9,32 +9,31 @@ import importlib.util
 
 import pytest
 
-from genolong.errors import GenolongError
 from tests.kernels.interpreted import run_script
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 _INTERPRETED = r"""
 import torch, triton, triton.language as tl
-from genolong.kernels import indexer_triton as it
+from genolong.kernels.indexer import triton_kernels as it
 
 @triton.jit
-def _probe(s_ptr, chosen_ptr, slot_ptr, take_ptr, n, N: tl.constexpr, TOPK: tl.constexpr, NARROW: tl.constexpr):
+def _probe(s_ptr, chosen_ptr, slot_ptr, take_ptr, n, N: tl.constexpr, TOPK: tl.constexpr):
     row = tl.program_id(0)
     i = tl.arange(0, N)
     s = tl.load(s_ptr + row * n + i, mask=i < n, other=float("-inf"))
-    chosen, slot, take = it._pick(s, TOPK, NARROW)
+    chosen, slot, take = it._top_narrow(s, TOPK)
     tl.store(chosen_ptr + row * N + i, chosen.to(tl.int32))
     tl.store(slot_ptr + row * N + i, tl.where(chosen, slot, -1))
     tl.store(take_ptr + row, take)
 
-def kernel(s, topk, narrow):
+def kernel(s, topk):
     rows, n = s.shape
     N = max(16, triton.next_power_of_2(n))
     chosen = torch.empty(rows, N, dtype=torch.int32)
     slot = torch.empty(rows, N, dtype=torch.int32)
     take = torch.empty(rows, dtype=torch.int32)
-    _probe[(rows,)](s, chosen, slot, take, n, N=N, TOPK=topk, NARROW=narrow)
+    _probe[(rows,)](s, chosen, slot, take, n, N=N, TOPK=topk)
     return slot[:, :n], take
 
 def reference(s, topk):
@@ -68,46 +67,29 @@ s[12] = 1.0 + torch.arange(n) * 2.0 ** -23   # neighbouring floats: the search r
 bad = []
 for topk in (1, 16, 37, 100, 150, 299, 512):
     want_slot, want_take = reference(s, topk)
-    for narrow in (False, True):
-        slot, take = kernel(s, topk, narrow)
-        for r in range(s.shape[0]):
-            if not (torch.equal(slot[r], want_slot[r]) and int(take[r]) == int(want_take[r])):
-                bad.append((topk, narrow, r))
+    slot, take = kernel(s, topk)
+    for r in range(s.shape[0]):
+        if not (torch.equal(slot[r], want_slot[r]) and int(take[r]) == int(want_take[r])):
+            bad.append((topk, r))
 print("MISMATCHED", bad)
 """
 
 
 @needs_triton
-def test_both_top_builds_choose_what_a_stable_sort_chooses():
+def test_the_top_k_chooses_what_a_stable_sort_chooses():
     run = run_script(_INTERPRETED)
     assert "MISMATCHED []" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
 @needs_triton
-def test_top_build_is_read_from_the_environment(monkeypatch):
-    from genolong.kernels import indexer_triton as it
-
-    monkeypatch.delenv(it.ENV_TOP, raising=False)
-    assert it.top_build() == it.TOP_DEFAULT == "narrow"
-    monkeypatch.setenv(it.ENV_TOP, "narrow8")
-    assert it._top_options(None) == dict(NARROW=True, num_warps=8)
-    assert it._top_options("wide") == dict(NARROW=False, num_warps=4)  # an explicit build wins
-    monkeypatch.setenv(it.ENV_TOP, "fast")
-    with pytest.raises(GenolongError, match="GENOLONG_INDEXER_TOP='fast' is not one of wide, narrow, narrow8"):
-        it.top_build()
-
-
-@needs_triton
 @pytest.mark.parametrize("seq", [1 << 17, 1 << 19])
-def test_narrow_top_builds_for_sm90_in_fewer_registers(seq):
-    # The uint32 keys are the point: the int64 build of the group selection takes ~224 registers a
-    # thread, so an SM holds two 4-warp programs; without spills the narrow builds hold more.
-    from genolong.kernels import aot, indexer_triton as it
+def test_the_selection_kernels_build_for_sm90_without_spills_in_few_registers(seq):
+    # The uint32 keys are the point: an int64 build of the group selection took ~224 registers a
+    # thread (an SM held two 4-warp programs).
+    from genolong.kernels import aot
+    from genolong.kernels.indexer import triton_kernels as it
 
-    usage = {top: {name: aot.ptxas_usage(k) for name, k in it.aot_compile_v2(4, 128, 4, 4, seq=seq, top=top).items()
-                   if name.startswith("select")} for top in it.TOP_BUILDS}
-    for top, kernels in usage.items():
-        for name, (regs, spilled) in kernels.items():
-            assert spilled == 0, (top, name, regs)
-    assert usage["narrow"]["select_groups"][0] < usage["wide"]["select_groups"][0] - 32, usage
-    assert usage["narrow8"]["select_groups"][0] <= 128, usage
+    usage = {name: aot.ptxas_usage(k) for name, k in it.aot_compile_v2(4, 128, 4, 4, seq=seq).items() if name.startswith("select")}
+    for name, (regs, spilled) in usage.items():
+        assert spilled == 0, (name, regs)
+    assert usage["select_groups"][0] <= 192, usage

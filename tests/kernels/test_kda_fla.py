@@ -19,7 +19,7 @@ def test_every_kda_implementation_takes_the_state_keywords():
 
 
 def test_kda_fla_declines_a_cpu_initial_state():
-    from genolong.kernels.kda_fla import kda_fla
+    from genolong.kernels.kda.fla_chunk import kda_fla
 
     q = torch.randn(1, 8, 2, 16)
     state = torch.zeros(1, 2, 16, 16)
@@ -32,7 +32,7 @@ def _fake_fla(monkeypatch):
     import sys
     import types
 
-    from genolong.kernels import kda_fla as mod
+    from genolong.kernels.kda import fla_chunk as mod
 
     calls = []
 
@@ -64,16 +64,3 @@ def test_kda_fla_keeps_intermediates_only_inside_a_checkpoint(monkeypatch):
     assert calls[-1]["disable_recompute"] is False  # nothing is saved without grad
     checkpointed(lambda *t: mod.kda_fla(*t), x[0], x[1], x[2], g, beta).sum().backward()
     assert [c["disable_recompute"] for c in calls[2:]] == [True, True]  # the checkpoint's forward and recompute
-    monkeypatch.setenv(mod.ENV_KEEP, "off")
-    checkpointed(lambda *t: mod.kda_fla(*t), x[0], x[1], x[2], g, beta).sum().backward()
-    assert [c["disable_recompute"] for c in calls[4:]] == [False, False]
-
-
-def test_kda_fla_rejects_a_bad_keep_setting(monkeypatch):
-    from genolong.errors import GenolongError
-
-    mod, _ = _fake_fla(monkeypatch)
-    monkeypatch.setenv(mod.ENV_KEEP, "yes")
-    q = torch.randn(1, 8, 2, 16)
-    with pytest.raises(GenolongError, match="GENOLONG_KDA_KEEP='yes' is not a setting"):
-        mod.kda_fla(q, q, q, -torch.rand(1, 8, 2, 16), torch.rand(1, 8, 2))

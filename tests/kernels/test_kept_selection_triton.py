@@ -1,4 +1,4 @@
-"""The kept selection's fused pack check and expansion (kept_selection_triton.py) in Triton's
+"""The kept selection's fused pack check and expansion (indexer/kept_selection.py) in Triton's
 interpreter: the same kept tensors and the same selection back as the PyTorch passes of
 genolong/model/kept_selection.py, for rows that pack (with empty pools), rows that do not (a pool
 out of order inside a group, a stray negative), no tail, a tail, and a pool count that is not a
@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from tests.kernels.interpreted import run_cases  # noqa: E402
 
 from genolong.errors import GenolongError
-from genolong.kernels import kept_selection_triton
+from genolong.kernels.indexer import kept_selection as kept_selection_triton
 
 _INTERPRETED = r"""
 import json, sys
@@ -82,5 +82,5 @@ def test_only_int32_selections_with_power_of_two_pools_take_the_fused_passes_whe
     monkeypatch.setenv(kept_selection_triton.ENV, "torch")
     assert not kept_selection_triton.enabled(t, 4)
     monkeypatch.setenv(kept_selection_triton.ENV, "fast")
-    with pytest.raises(GenolongError, match="GENOLONG_KEPT_SELECTION='fast' is not triton or torch"):
+    with pytest.raises(GenolongError, match="GENOLONG_KEPT_SELECTION='fast' is not a setting; set it to one of triton, torch"):
         kept_selection_triton.enabled(t, 4)

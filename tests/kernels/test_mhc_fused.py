@@ -1,4 +1,4 @@
-"""The fused mHC passes (genolong/kernels/mhc_fused.py) against the model's reference on the CPU: the
+"""The fused mHC passes (genolong/kernels/mhc/fused.py) against the model's reference on the CPU: the
 Triton code in Triton's interpreter (outputs and every gradient, fp32 and fp16 — the interpreter
 has no bf16), the sm_90 builds (tensor cores, no spills, shared memory), and what it declines.
 tests/gpu/test_mhc_fused.py repeats the comparison in bf16 on a GPU."""
@@ -23,7 +23,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 _INTERPRETED = r"""
 import json, sys
 import torch
-from genolong.kernels import mhc_fused as mf
+from genolong.kernels.mhc import fused as mf
 from genolong.model import mhc
 
 def sublayer(mix_collapse, expand, dtype, data, n):
@@ -93,7 +93,7 @@ def test_16_bit_passes_are_no_worse_than_the_reference_in_the_same_dtype(interpr
 _UNDER_RECOMPUTE = r"""
 import torch
 from torch.utils.checkpoint import checkpoint
-from genolong.kernels import mhc_fused as mf
+from genolong.kernels.mhc import fused as mf
 g = torch.Generator().manual_seed(5)
 x = torch.randn(40, 4, 48, generator=g)
 fn, base, scale = torch.randn(24, 192, generator=g) * 0.07, torch.randn(24, generator=g) * 0.3, torch.ones(3)
@@ -128,7 +128,8 @@ def test_the_autograd_functions_recompute_under_a_non_reentrant_checkpoint():
 @pytest.mark.parametrize("n,hidden,dtype", [(4, 1024, "bf16"), (4, 4096, "bf16"), (4, 1024, "fp32"), (2, 1024, "bf16"),
                                           (8, 4096, "bf16"), (8, 1024, "fp32")])  # every stream count the ops take
 def test_passes_build_for_sm90_with_tensor_cores_and_no_spills(n, hidden, dtype):
-    from genolong.kernels import aot, mhc_fused
+    from genolong.kernels import aot
+    from genolong.kernels.mhc import fused as mhc_fused
 
     built = mhc_fused.aot_compile(n=n, hidden=hidden, dtype=dtype)
     assert set(built) == {"mix_logits", "collapse", "collapse_dpre", "mix_collapse_dx", "expand", "expand_bwd"}
@@ -145,7 +146,7 @@ def test_passes_build_for_sm90_with_tensor_cores_and_no_spills(n, hidden, dtype)
 
 @needs_triton
 def test_the_ops_decline_what_they_cannot_run():
-    from genolong.kernels import mhc_fused
+    from genolong.kernels.mhc import fused as mhc_fused
 
     streams, fn, base, scale = torch.randn(1, 3, 4, 8), torch.randn(24, 32), torch.zeros(24), torch.ones(3)
     with pytest.raises(ops.KernelUnsupported, match="CUDA"):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from genolong.kernels import moe_grouped as moe
+from genolong.kernels.moe import grouped as moe
 from genolong.model.moe import moe_experts_reference
 
 

@@ -1,4 +1,4 @@
-"""The atomics-free MoE combine and the dispatch's read-side backward (genolong/kernels/moe_combine_triton.py)
+"""The atomics-free MoE combine and the dispatch's read-side backward (genolong/kernels/moe/combine.py)
 in Triton's CPU interpreter against the index_add combine and the indexing dispatch they replace: the
 grouped MoE path's output and the gradients of x, both expert weights and the router weights; the
 dispatch alone, values and gradient; the sm_90 builds; the settings that pick them."""
@@ -18,7 +18,8 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 _INTERPRETED = r"""
 import json
 import torch
-from genolong.kernels import moe_combine_triton as mc, moe_grouped as mg
+from genolong.kernels.moe import combine as mc
+from genolong.kernels.moe import grouped as mg
 
 g = torch.Generator().manual_seed(0)
 n, experts, k, hidden, inter = 37, 8, 3, 40, 24
@@ -75,7 +76,8 @@ def test_triton_combine_in_the_interpreter_matches_index_add_with_every_gradient
 
 @needs_triton
 def test_combine_kernels_compile_for_sm90_without_spills():
-    from genolong.kernels import aot, moe_combine_triton
+    from genolong.kernels import aot
+    from genolong.kernels.moe import combine as moe_combine_triton
 
     for hidden, k in ((512, 4), (4096, 8)):  # glm53-mini, GLM-5.3-Flash
         for name, kernel in moe_combine_triton.aot_compile(hidden, k).items():
@@ -84,10 +86,11 @@ def test_combine_kernels_compile_for_sm90_without_spills():
 
 
 def test_combine_setting_names_a_wrong_value(monkeypatch):
-    from genolong.kernels.moe_combine_triton import combine_mode
+    from genolong.errors import GenolongError
+    from genolong.kernels.moe.combine import combine_mode
 
     monkeypatch.setenv("GENOLONG_MOE_COMBINE", "atomic")
-    with pytest.raises(ValueError, match="GENOLONG_MOE_COMBINE='atomic': use one of index_add, triton"):
+    with pytest.raises(GenolongError, match="GENOLONG_MOE_COMBINE='atomic' is not a setting; set it to one of triton, index_add"):
         combine_mode()
     monkeypatch.delenv("GENOLONG_MOE_COMBINE")
     assert combine_mode() == "triton"
@@ -95,12 +98,12 @@ def test_combine_setting_names_a_wrong_value(monkeypatch):
 
 def test_dispatch_setting_names_a_wrong_value(monkeypatch):
     from genolong.errors import GenolongError
-    from genolong.kernels.moe_combine_triton import ENV_DISPATCH, dispatch_mode
+    from genolong.kernels.moe.combine import ENV_DISPATCH, dispatch_mode
 
     monkeypatch.delenv(ENV_DISPATCH, raising=False)
     assert dispatch_mode() == "triton"
     monkeypatch.setenv(ENV_DISPATCH, "index")
     assert dispatch_mode() == "index"
     monkeypatch.setenv(ENV_DISPATCH, "scatter")
-    with pytest.raises(GenolongError, match="GENOLONG_MOE_DISPATCH='scatter' is not a setting; set it to triton"):
+    with pytest.raises(GenolongError, match="GENOLONG_MOE_DISPATCH='scatter' is not a setting; set it to one of triton, index"):
         dispatch_mode()

@@ -1,4 +1,4 @@
-"""The router's top-k kernel (genolong/kernels/router_topk.py): in Triton's interpreter against
+"""The router's top-k kernel (genolong/kernels/moe/router_topk.py): in Triton's interpreter against
 torch.topk, the custom op's CPU fallback and its tracing by torch.compile inside the router's
 math, the setting, the sm_90 build."""
 
@@ -14,7 +14,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 _INTERPRETED = r"""
 import torch
-from genolong.kernels.router_topk import router_topk_triton
+from genolong.kernels.moe.router_topk import router_topk_triton
 g = torch.Generator().manual_seed(0)
 bad = []
 # (tokens, experts, k): glm53-mini's 64 / 4 over several programs and a partial last one; 288 / 8
@@ -46,7 +46,7 @@ def test_kernel_in_the_interpreter_picks_what_a_stable_sort_picks():
 
 @needs_triton
 def test_custom_op_falls_back_to_torch_topk_off_cuda_and_traces_in_the_router():
-    from genolong.kernels import router_topk  # noqa: F401  (registers the op)
+    from genolong.kernels.moe import router_topk  # noqa: F401  (registers the op)
     from genolong.model.config import MoEConfig
     from genolong.model.moe import route
 
@@ -68,20 +68,20 @@ def test_custom_op_falls_back_to_torch_topk_off_cuda_and_traces_in_the_router():
 
 @needs_triton
 def test_setting_is_read_from_the_environment(monkeypatch):
-    from genolong.kernels import router_topk
+    from genolong.kernels.moe import router_topk
 
     monkeypatch.delenv(router_topk.ENV, raising=False)
     assert router_topk.setting() == "triton"
     monkeypatch.setenv(router_topk.ENV, "torch")
     assert router_topk.setting() == "torch"
     monkeypatch.setenv(router_topk.ENV, "fused")
-    with pytest.raises(GenolongError, match="GENOLONG_ROUTER_TOPK='fused' is not one of torch, triton"):
+    with pytest.raises(GenolongError, match="GENOLONG_ROUTER_TOPK='fused' is not a setting; set it to one of triton, torch"):
         router_topk.setting()
 
 
 @needs_triton
 def test_kernel_refuses_what_it_does_not_take(monkeypatch):
-    from genolong.kernels.router_topk import unsupported
+    from genolong.kernels.moe.router_topk import unsupported
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert unsupported(torch.zeros(4, 64), 4) == "not a CUDA tensor"
@@ -97,7 +97,8 @@ def test_kernel_refuses_what_it_does_not_take(monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("experts,k", [(64, 4), (288, 8)])  # glm53-mini; a GLM-5.3-Flash-sized router
 def test_kernel_builds_for_sm90_without_spills(experts, k):
-    from genolong.kernels import aot, router_topk
+    from genolong.kernels import aot
+    from genolong.kernels.moe import router_topk
 
     kernel = router_topk.aot_compile(experts, k)
     assert aot.ptxas_usage(kernel)[1] == 0

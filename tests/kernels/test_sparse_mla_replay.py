@@ -18,7 +18,7 @@ _INTERPRETED = INTERPRETER_PATCH + r"""
 import json
 import torch
 
-from genolong.kernels import sparse_mla
+from genolong.kernels.sparse_mla import op as sparse_mla
 from genolong.model.sparse_replay import sparse_attention_replay_reference
 
 g = torch.Generator().manual_seed(5)
@@ -35,9 +35,9 @@ def grads(fn):
     out.backward(dout)
     return out.detach(), lse, a.grad, b.grad
 
-fresh = grads(lambda a, b: sparse_mla.sparse_mla(a, b, idx, scale=0.2, return_lse=True, dkv_mode="atomic"))
+fresh = grads(lambda a, b: sparse_mla.sparse_mla(a, b, idx, scale=0.2, return_lse=True))
 with torch.no_grad():
-    kept = sparse_mla.sparse_mla(q, kv, idx, scale=0.2, return_lse=True, dkv_mode="atomic")
+    kept = sparse_mla.sparse_mla(q, kv, idx, scale=0.2, return_lse=True)
 replayed = grads(lambda a, b: sparse_mla.replay_dsa_sparse_attention(kept, a, b, idx, scale=0.2, return_lse=True))
 reference = grads(lambda a, b: sparse_attention_replay_reference(kept, a.double(), b.double(), idx, scale=0.2, return_lse=True))
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from genolong.errors import GenolongError
-from genolong.kernels import sparse_mla
+from genolong.kernels.sparse_mla import op as sparse_mla
 from genolong.model.ops import KernelUnsupported
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -24,99 +24,38 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 # (name, case): selections are "random" (any key in [0, S) or -1, duplicates allowed, one empty
 # row) or "pools" (the indexer reference's pool-structured, causal selections, kpool 4 + tail).
 CASES = {
-    "fp32 random, 2 batches, atomic": dict(batch=2, seq=48, heads=4, dim=64, sel="random", width=37, dtype="float32", mode="atomic"),
+    "fp32 random, 2 batches, one pass": dict(batch=2, seq=48, heads=4, dim=64, sel="random", width=37, dtype="float32"),
     # The backward stacks q and dO into one operand where at most half the head block is heads
-    # (the cases above with <= 8 heads and 16-row blocks); these keep them apart (the old pass).
-    "fp32 random, 2 batches, atomic, unpacked": dict(batch=2, seq=48, heads=4, dim=64, sel="random", width=37, dtype="float32",
-                                                     mode="atomic", pack="off"),
-    "fp16 pools, GLM width 2051, 4 heads x 512, unpacked": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512,
-                                                                 dtype="float16", mode="keychunk", key_chunk=8, pack="off"),
-    "fp16 pools, 8 heads (the most that pack) x 512, key chunks of 32, one-pass dq":
-        dict(batch=1, seq=64, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="atomic"),
+    # (up to 8 heads with 16-row blocks); 16 and 80 heads run the unpacked pass.
+    "fp16 pools, 8 heads (the most that pack) x 512, one pass":
+        dict(batch=1, seq=64, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16"),
     "fp32 random, kv longer than q (CP), key chunks of 16, 4 query chunks":
-        dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="keychunk",
+        dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="random", width=29, dtype="float32",
              key_chunk=16, query_chunks=4),
     "fp32 80 heads: head blocks 64+16, backward 32+32+16":
-        dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11, dtype="float32", mode="atomic",
+        dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11, dtype="float32",
              configs={"fwd": [64, 32, 8, 5], "bwd": [32, 16, 8, 5]}),
     # On the GPU, the first call times candidate configs on its own rows, adding into dkv: the
     # trials (run here twice per kernel, as timed) must leave no trace in the results.
-    "fp32 config trials, atomic": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32", mode="atomic", trials=True),
-    "fp32 config trials, key chunks": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32", mode="keychunk",
+    "fp32 config trials, one pass": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32", trials=True),
+    "fp32 config trials, key chunks": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32",
                                            key_chunk=8, trials=True),
-    "fp32 one head, two slots": dict(batch=1, seq=16, heads=1, dim=16, sel="random", width=2, dtype="float32", mode="atomic"),
+    "fp32 one head, two slots": dict(batch=1, seq=16, heads=1, dim=16, sel="random", width=2, dtype="float32"),
     "fp16 pools, 8 heads x 512, key chunks of 32":
-        dict(batch=1, seq=96, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="keychunk", key_chunk=32,
+        dict(batch=1, seq=96, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16", key_chunk=32,
              configs={"fwd": [16, 64, 8, 5], "bwd": [16, 32, 8, 5]}),
-    "fp16 pools, 16 heads x 512, atomic": dict(batch=1, seq=96, heads=16, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="atomic"),
+    "fp16 pools, 16 heads x 512, one pass": dict(batch=1, seq=96, heads=16, dim=512, sel="pools", topk_pools=8, dtype="float16"),
     # Rows as the fused indexer writes them (keys ascending, empty slots anywhere): walked unsorted.
     "fp32 ascending rows with empty slots, key chunks of 8, 3 query chunks":
-        dict(batch=2, seq=40, heads=4, dim=32, sel="ascending", width=13, dtype="float32", mode="keychunk", key_chunk=8,
+        dict(batch=2, seq=40, heads=4, dim=32, sel="ascending", width=13, dtype="float32", key_chunk=8,
              query_chunks=3),
-    "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8),
+    "fp16 pools, GLM width 2051, 4 heads x 512": dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", key_chunk=8),
     # Rows that do not ascend, walked unsorted: what the backward does until the answer to "do the
-    # rows ascend?" (row_order.py, read without a host sync) has come back. Same gradients, by the
+    # rows ascend?" (sparse_mla/row_order.py, read without a host sync) has come back. Same gradients, by the
     # kernel's absolute key addressing; the first query chunk is walked so, the later ones sorted.
     "fp32 random rows walked unsorted before their order is known, key chunks of 8, 3 query chunks":
-        dict(batch=2, seq=40, heads=4, dim=32, sel="random", width=13, dtype="float32", mode="keychunk", key_chunk=8,
+        dict(batch=2, seq=40, heads=4, dim=32, sel="random", width=13, dtype="float32", key_chunk=8,
              query_chunks=3, fresh_order=True),
-    # The slot-major backward (Config.slot_major: slots as the products' rows, dkv 128 columns at a time).
-    "fp32 slot-major backward, key chunks of 16, kv longer than q (CP), 3 query chunks":
-        dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="keychunk",
-             key_chunk=16, query_chunks=3, configs={"bwd": [16, 64, 4, 1, 1, True]}),
-    "fp32 slot-major backward, atomic, 80 heads (blocks 32+32+16)":
-        dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11, dtype="float32", mode="atomic",
-             configs={"bwd": [32, 64, 8, 1, 1, True]}),
-    "fp16 pools, GLM width 2051, 4 heads x 512, slot-major backward (4 dkv column blocks), key chunks of 8":
-        dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8,
-             configs={"bwd": [16, 64, 4, 2, 1, True]}),
-    # The score products split over the latent columns (Config.split_k: one slice per warp, a 3-D product
-    # summed over its batch), packed and unpacked backward, one pass and key chunks.
-    "fp32 random, 2 batches, atomic, split products (4 slices of 16 columns)":
-        dict(batch=2, seq=48, heads=4, dim=64, sel="random", width=37, dtype="float32", mode="atomic",
-             configs={"fwd": [16, 32, 4, 5, 1, False, 4], "bwd": [16, 16, 4, 5, 1, False, 4]}),
-    "fp16 pools, GLM width 2051, 4 heads x 512, split products (fwd 8 slices, bwd 4), key chunks of 8":
-        dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", key_chunk=8,
-             configs={"fwd": [16, 32, 8, 5, 1, False, 8], "bwd": [16, 16, 4, 5, 1, False, 4]}),
-    "fp16 pools, 16 heads x 512 (unpacked backward), split products, key chunks of 32":
-        dict(batch=1, seq=96, heads=16, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="keychunk", key_chunk=32,
-             configs={"fwd": [16, 32, 4, 5, 1, False, 4], "bwd": [16, 16, 8, 5, 1, False, 8]}),
-    "fp32 80 heads, split products: head blocks 64+16 (fwd), 32+32+16 (bwd)":
-        dict(batch=1, seq=24, heads=80, dim=64, sel="random", width=11, dtype="float32", mode="atomic",
-             configs={"fwd": [64, 32, 4, 5, 1, False, 4], "bwd": [32, 16, 4, 5, 1, False, 4]}),
-    # The key-chunked forward (fwd_mode "keychunk"): the rows as the key-chunked backward walks them,
-    # one launch per key chunk (twice the backward's keys), the online-softmax state between launches.
-    "fp32 key-chunked forward, random rows walked unsorted before their order is known, chunks of 16 keys, 3 query chunks":
-        dict(batch=2, seq=40, heads=4, dim=32, sel="random", width=13, dtype="float32", mode="keychunk", fwd_mode="keychunk",
-             key_chunk=8, query_chunks=3, fresh_order=True),
-    "fp32 key-chunked forward, ascending rows with empty slots, kv longer than q (CP), 3 heads, atomic dkv":
-        dict(batch=2, seq=40, kv_len=100, heads=3, dim=32, sel="ascending", width=29, dtype="float32", mode="atomic",
-             fwd_mode="keychunk", key_chunk=8, query_chunks=2),
-    "fp16 pools, GLM width 2051, 4 heads x 512, key-chunked forward":
-        dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="keychunk", fwd_mode="keychunk",
-             key_chunk=4),
-    "fp32 key-chunked forward, 80 heads: blocks 32+32+16": dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11,
-                                                                dtype="float32", mode="atomic", fwd_mode="keychunk", key_chunk=4),
-    "fp32 key-chunked forward, config trials": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32",
-                                                    mode="keychunk", fwd_mode="keychunk", key_chunk=8, trials=True),
-    # The grouped passes: queries stacked per program (16 // heads of them), one launch per key chunk.
-    "fp32 grouped, 3 heads (4 queries a program), 2 batches of 41 (partial groups at each end), key chunks of 16, query chunks of 16":
-        dict(batch=2, seq=41, heads=3, dim=32, sel="random", width=29, dtype="float32", mode="grouped", fwd_mode="grouped",
-             key_chunk=16, small_query_chunks=True),
-    "fp32 grouped forward, atomic dkv, kv longer than q (CP), 5 heads (2 queries of 8 rows)":
-        dict(batch=1, seq=40, kv_len=100, heads=5, dim=32, sel="random", width=23, dtype="float32", mode="atomic",
-             fwd_mode="grouped", key_chunk=8),
-    "fp32 grouped dkv, query forward, one head (16 queries a program)":
-        dict(batch=1, seq=37, heads=1, dim=16, sel="random", width=5, dtype="float32", mode="grouped", key_chunk=8),
-    "fp32 grouped, 80 heads: head blocks 32+32+16": dict(batch=1, seq=24, heads=80, dim=32, sel="random", width=11, dtype="float32",
-                                                           mode="grouped", fwd_mode="grouped", key_chunk=8),
-    "fp32 grouped config trials": dict(batch=1, seq=40, heads=2, dim=32, sel="random", width=9, dtype="float32", mode="grouped",
-                                       fwd_mode="grouped", key_chunk=8, trials=True),
-    "fp16 pools, GLM width 2051, 4 heads x 512, grouped":
-        dict(batch=1, seq=20, heads=4, dim=512, sel="pools", topk_pools=512, dtype="float16", mode="grouped", fwd_mode="grouped", key_chunk=8),
-    "fp16 pools, 8 heads x 512, grouped, blocks of 64 / 32 slots":
-        dict(batch=1, seq=96, heads=8, dim=512, sel="pools", topk_pools=8, dtype="float16", mode="grouped", fwd_mode="grouped", key_chunk=32,
-             configs={"fwd": [8, 64, 8, 5, 2], "bwd": [8, 32, 8, 5, 2]}),
 }
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
 
@@ -138,21 +77,21 @@ _INTERPRETED = INTERPRETER_PATCH + r"""
 import json, os, sys
 import torch
 
-from genolong.kernels import _common, sparse_mla, sparse_mla_grouped as grouped
-from genolong.kernels.row_order import RowOrder
-from genolong.kernels.sparse_mla_triton import Config
+from genolong.kernels import _common
+from genolong.kernels.sparse_mla import op as sparse_mla
+from genolong.kernels.sparse_mla.row_order import RowOrder
+from genolong.kernels.sparse_mla.triton_kernels import Config
 from genolong.model.dsa import sparse_attention_reference
 from genolong.model.indexer import indexer_topk_reference
 
 _common.POISON = True
 _pick = sparse_mla.pick
 _tune_rows = sparse_mla.TUNE_ROWS
-grouped_rows = sparse_mla.ROW_ALIGN  # the smallest query chunk
 _key_chunk_rows = sparse_mla.key_chunk_rows
 walks = []  # per query chunk: (walked unsorted, the rows ascend)
 
-def watched_key_chunk_rows(idx, edges, always_sort=False, order=None):
-    walked, bounds = _key_chunk_rows(idx, edges, always_sort, order)
+def watched_key_chunk_rows(idx, edges, order=None):
+    walked, bounds = _key_chunk_rows(idx, edges, order)
     walks.append((walked is idx, _key_chunk_rows(idx, edges)[0] is idx))
     return walked, bounds
 
@@ -186,7 +125,6 @@ def rel(a, b):
     return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
 
 for name, c in json.loads(sys.argv[1]).items():
-    os.environ[sparse_mla.ENV_PACK] = c.get("pack", "on")
     if c.get("fresh_order"):
         sparse_mla.ROW_ORDER = RowOrder()
     walks.clear()
@@ -205,8 +143,6 @@ for name, c in json.loads(sys.argv[1]).items():
     width = idx.shape[-1]
     n_chunks = -(-kv_len // c.get("key_chunk", sparse_mla.KEY_CHUNK))
     budget = sparse_mla.backward_row_bytes(width, c["heads"], dim, n_chunks) * -(-c["batch"] * c["seq"] // c.get("query_chunks", 1))
-    if c.get("small_query_chunks"):
-        budget = grouped.row_bytes(width, c["heads"], dim, n_chunks, 1) * grouped_rows
 
     def run(fn, dt):
         a, b = q.to(dt).clone().requires_grad_(), kv.to(dt).clone().requires_grad_()
@@ -215,7 +151,7 @@ for name, c in json.loads(sys.argv[1]).items():
         return out.detach(), lse, a.grad, b.grad
 
     ref = run(lambda a, b: (sparse_attention_reference(a, b, idx, scale=scale), lse_reference(a.detach(), b.detach(), idx, scale)), torch.float64)
-    got = run(lambda a, b: sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True, dkv_mode=c["mode"], fwd_mode=c.get("fwd_mode", "query"),
+    got = run(lambda a, b: sparse_mla.sparse_mla(a, b, idx, scale=scale, return_lse=True,
                                                   key_chunk=c.get("key_chunk", sparse_mla.KEY_CHUNK), budget_bytes=budget,
                                                   configs=configs), dtype)
     finite = torch.isfinite(ref[1])
@@ -230,9 +166,8 @@ for name, c in json.loads(sys.argv[1]).items():
 
 @pytest.fixture(scope="module")
 def interpreted():
-    # The key-chunked cases walk rows with the one-pass bounds (opt-in on the GPU); the PyTorch form
-    # is what the key_chunk_rows tests below run.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", sparse_mla.ENV_BOUNDS: "triton"}
+    # The key-chunked cases walk rows with the one-pass bounds (chunk_bounds_triton, run by the interpreter).
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600)
     results = {r["name"]: r for r in (json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
     assert len(results) == len(CASES), run.stdout[-2000:] + run.stderr[-4000:]
@@ -280,13 +215,12 @@ def test_can_be_switched_off_for_the_tilelang_kernel(monkeypatch):
         sparse_mla.dsa_sparse_attention(torch.zeros(1, 8, 4, 512), torch.zeros(1, 8, 512), torch.zeros(1, 8, 3, dtype=torch.int32), scale=0.1)
 
 
-def test_bad_dkv_mode_is_a_one_line_error(monkeypatch):
+def test_a_bad_switch_or_key_chunk_is_a_one_line_error(monkeypatch):
     args = (torch.zeros(1, 8, 4, 64), torch.zeros(1, 8, 64), torch.zeros(1, 8, 3, dtype=torch.int32))
-    with pytest.raises(GenolongError, match="dkv_mode 'dense' is unknown; use one of atomic, keychunk"):
-        sparse_mla.sparse_mla(*args, scale=0.1, dkv_mode="dense")
-    monkeypatch.setenv(sparse_mla.ENV_DKV_MODE, "dense")
-    monkeypatch.setattr(sparse_mla._common, "require_cuda", lambda *t: None)
-    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_DKV='dense'"):
+    with pytest.raises(GenolongError, match="key_chunk must be a positive number of keys, got 0"):
+        sparse_mla.sparse_mla(*args, scale=0.1, key_chunk=0)
+    monkeypatch.setenv(sparse_mla.ENV_SWITCH, "no")
+    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA='no' is not a setting; set it to one of on, off"):
         sparse_mla.dsa_sparse_attention(*args, scale=0.1)
 
 
@@ -318,7 +252,7 @@ def test_kernels_compile_for_sm90_without_spills(heads):
     # the lengths and head count are not specialised): tensor cores, asynchronous gathers, no
     # spills, and shared memory within what an H200 block may have.
     from genolong.kernels import aot
-    from genolong.kernels import sparse_mla_triton as k
+    from genolong.kernels.sparse_mla import triton_kernels as k
 
     builds = {}
     for kind in ("fwd", "bwd"):
@@ -335,117 +269,6 @@ def test_kernels_compile_for_sm90_without_spills(heads):
         assert spills == 0, (name, regs, spills)
     # dkv: one vectorised relaxed atomic per 4 columns, after the sum over the head block.
     assert all("atom.global.gpu.relaxed.add.v4.f32" in kernel.asm["ptx"] for name, kernel in builds.items() if name.startswith("bwd"))
-
-
-@needs_triton
-@pytest.mark.parametrize("heads", [4, 16, 64])  # 8 heads build the same kernels as 4 (one packed head block)
-def test_split_candidates_and_layout_adds_compile_for_sm90(heads):
-    # The split score products (GENOLONG_SPARSE_MLA_SPLIT=candidates) build for sm_90 as batched
-    # tensor-core products without spills, with either kind of adds; the layout adds
-    # (GENOLONG_SPARSE_MLA_ADDS=layout) become two-column red instructions and leave no
-    # tl.atomic_add behind, the coalesced ones keep the vectorised atomics. The default backward
-    # config with the layout adds too.
-    from genolong.kernels import aot
-    from genolong.kernels import sparse_mla_triton as k
-
-    builds = {f"fwd {c.label()}": k.aot_compile("fwd", heads, 512, c) for c in sparse_mla.split_candidates("fwd", heads)}
-    for config in [*sparse_mla.split_candidates("bwd", heads), sparse_mla.candidates("bwd", heads, 512)[0]]:
-        for red in (False, True):
-            builds[f"bwd {config.label()} {red}"] = k.aot_compile("bwd", heads, 512, config, ranged=True, red=red)
-    for name, kernel in builds.items():
-        ptx = kernel.asm["ptx"]
-        assert "mma.sync" in ptx and "cp.async" in ptx, name
-        assert kernel.metadata.shared <= aot.SM90_SHARED_BYTES, (name, kernel.metadata.shared)
-        regs, spills = aot.ptxas_usage(kernel)
-        assert spills == 0, (name, regs, spills)
-        if name.startswith("bwd"):
-            red = name.endswith("True")
-            assert ("red.relaxed.gpu.global.add.v2.f32" in ptx) == red, name
-            assert ("atom.global.gpu.relaxed.add.v4.f32" in ptx) == (not red), name
-
-
-def test_split_candidates_are_timed_only_when_asked(monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.delenv(sparse_mla.ENV_SPLIT, raising=False)
-    kinds = ("fwd", "bwd", "bwd_keychunk")  # bwd_keychunk: the key-chunked backward, the default dkv mode
-    default = {kind: sparse_mla.candidates(kind, 4, 512) for kind in kinds}
-    assert not any(c.split_k > 1 for found in default.values() for c in found)
-    monkeypatch.setenv(sparse_mla.ENV_SPLIT, "candidates")
-    for kind in kinds:
-        found = sparse_mla.candidates(kind, 4, 512)
-        assert found[: len(default[kind])] == default[kind] and any(c.split_k > 1 for c in found)
-    assert all(c.split_k == 1 for c in sparse_mla.candidates("fwd_grouped", 4, 512))
-    monkeypatch.setenv(sparse_mla.ENV_SPLIT, "yes")
-    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_SPLIT='yes' is not a setting"):
-        sparse_mla.candidates("fwd", 4, 512)
-
-
-@needs_triton
-def test_split_products_need_whole_slices_of_the_latent():
-    from genolong.kernels import sparse_mla_triton as k
-
-    from genolong.kernels import sparse_mla_grouped_triton as grouped
-
-    k.check_split(k.Config(16, 16, 4, 5, split_k=4), 512)
-    k.check_split(k.Config(16, 16, 4, 5, split_k=8), 512)  # two slices a warp
-    for split, dim in ((3, 512), (8, 64), (4, 48)):
-        with pytest.raises(ValueError, match="split_k 1 or a divisor"):
-            k.check_split(k.Config(16, 16, 4, 5, split_k=split), dim)
-    with pytest.raises(ValueError, match="4 slices for 8 warps: .* use split_k >= num_warps"):
-        k.check_split(k.Config(16, 16, 8, 5, split_k=4), 512)
-    with pytest.raises(ValueError, match="slot-major backward has no split"):
-        k.check_split(k.Config(16, 64, 4, 1, slot_major=True, split_k=4), 512)
-    # The grouped and key-chunked passes would run a pinned split config unsplit under its label.
-    q = torch.zeros(1, 4, 512)
-    with pytest.raises(ValueError, match="grouped and key-chunked passes have no split"):
-        grouped.forward_chunk(q, None, None, None, None, None, None, chunk=0, groups=(0, 1), scale=1.0,
-                              config=k.Config(16, 32, 8, 5, split_k=8))
-    with pytest.raises(ValueError, match="grouped and key-chunked passes have no split"):
-        grouped.backward_chunk(q, None, None, None, None, None, None, None, None, chunk=0, groups=(0, 1), scale=1.0,
-                               config=k.Config(16, 16, 4, 5, split_k=4))
-
-
-_PROBES = INTERPRETER_PATCH + r"""
-import json
-import torch
-from genolong.kernels import sparse_mla
-from genolong.kernels.sparse_mla_triton import Config
-
-g = torch.Generator().manual_seed(3)
-q, kv = torch.randn(1, 24, 2, 16, generator=g), torch.randn(1, 24, 16, generator=g)
-idx = torch.randint(-1, 24, (1, 24, 7), generator=g, dtype=torch.int32)
-dout = torch.randn(q.shape, generator=g)
-out, lse = sparse_mla._forward(q, kv, idx, 0.25)
-found = {}
-for mode in ("keychunk", "atomic"):
-    for op in ("add", "skip", "store"):
-        dq, dkv = sparse_mla._backward(q, kv, idx, out, lse, dout, 0.25, mode, 8, 1 << 30, Config(16, 16, 4, 5), op)
-        found[f"{mode} {op}"] = (dq, dkv)
-add_dq, add_dkv = found["keychunk add"]
-print("RESULT", json.dumps({name: dict(dq=(dq - add_dq).abs().max().item(), dkv_zero=bool((dkv == 0).all()),
-                                       dkv_diff=(dkv - add_dkv).abs().max().item()) for name, (dq, dkv) in found.items()}))
-"""
-
-
-@needs_triton
-def test_backward_probes_keep_dq_and_change_only_dkv():
-    # The benchmark's probes of what the dkv adds cost (bench_sparse_attention.py probe-*-bwd-nodkv /
-    # -store) must run the same dq computation, or their times say nothing about the adds.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", _PROBES], env=env, capture_output=True, text=True, timeout=300)
-    lines = [line[7:] for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, run.stdout[-2000:] + run.stderr[-4000:]
-    r = json.loads(lines[0])
-    for name, got in r.items():
-        assert got["dq"] < 1e-5, (name, got)  # fp32: the keychunk and one-pass dq agree
-    assert r["atomic add"]["dkv_diff"] < 1e-5 and not r["keychunk add"]["dkv_zero"]
-    assert r["keychunk skip"]["dkv_zero"] and r["atomic skip"]["dkv_zero"]
-    assert r["keychunk store"]["dkv_diff"] > 1e-3  # stores, not sums: the probe's dkv is wrong
-
-
-def test_a_store_probe_of_the_grouped_backward_is_refused():
-    with pytest.raises(GenolongError, match="not a probe of the grouped backward"):
-        sparse_mla._backward(None, None, None, None, None, None, 0.1, "grouped", 8, 1 << 30, dkv_op="store")
 
 
 def _ranges(walked, bounds, edges):
@@ -484,13 +307,10 @@ def test_key_chunk_rows_sort_when_one_row_does_not_ascend():
     walked, bounds = sparse_mla.key_chunk_rows(idx, edges)
     assert walked.tolist() == [[-1, 0, 3, 9], [-1, 2, 5, 7]]
     assert bounds.tolist() == [[1, 3, 3, 4], [1, 2, 4, 4]]  # chunks [0, 4), [4, 8), [8, 12)
-    # The old path on request (the measurement's arm): ascending rows sorted too.
-    walked, bounds = sparse_mla.key_chunk_rows(idx[:1], edges, always_sort=True)
-    assert walked is not idx and walked.tolist() == [[-1, 0, 3, 9]] and bounds.tolist() == [[1, 3, 3, 4]]
 
 
 def test_key_chunk_rows_with_an_order_walk_by_the_latest_answer_and_send_their_own():
-    from genolong.kernels.row_order import RowOrder
+    from genolong.kernels.sparse_mla.row_order import RowOrder
 
     idx = torch.tensor([[0, -1, 3, 9], [5, 2, -1, 7]], dtype=torch.int32)  # row 1 does not ascend
     edges = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
@@ -510,54 +330,11 @@ def test_key_chunk_rows_with_an_order_walk_by_the_latest_answer_and_send_their_o
     assert sparse_mla.key_chunk_rows(idx[:1], edges, order=order)[0].data_ptr() == idx.data_ptr()
 
 
-def test_bad_sort_and_key_chunk_settings_are_one_line_errors(monkeypatch):
-    monkeypatch.setenv(sparse_mla.ENV_SORT, "never")
-    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_SORT='never' is not a setting"):
-        sparse_mla._sort_setting()
-    monkeypatch.setenv(sparse_mla.ENV_KEY_CHUNK, "0")
-    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_KEY_CHUNK='0' is not a positive number of keys"):
-        sparse_mla._key_chunk()
-    monkeypatch.setenv(sparse_mla.ENV_KEY_CHUNK, "4096")
-    monkeypatch.delenv(sparse_mla.ENV_SORT)
-    assert sparse_mla._key_chunk() == 4096 and sparse_mla._sort_setting() == "auto"
-    monkeypatch.setenv(sparse_mla.ENV_PACK, "yes")
-    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_PACK='yes' is not a setting"):
-        sparse_mla._pack_setting()
-    monkeypatch.delenv(sparse_mla.ENV_PACK)
-    assert sparse_mla._pack_setting() == "on"
-    monkeypatch.setenv(sparse_mla.ENV_ORDER, "wait")
-    with pytest.raises(GenolongError, match="GENOLONG_SPARSE_MLA_ORDER='wait' is not a setting"):
-        sparse_mla._order_setting()
-    monkeypatch.delenv(sparse_mla.ENV_ORDER)
-    assert sparse_mla._order_setting() == "async"
-
-
 @needs_triton
 def test_the_backward_packs_only_where_half_the_head_block_is_free():
-    from genolong.kernels.sparse_mla_triton import Config, backward, packs
+    from genolong.kernels.sparse_mla.triton_kernels import Config, packs
 
     assert packs(4, Config(16, 16, 4, 5)) and packs(8, Config(16, 16, 4, 5)) and packs(16, Config(32, 16, 8, 5))
     assert not packs(9, Config(16, 16, 4, 5)) and not packs(16, Config(16, 16, 4, 5))
-    assert not packs(4, Config(16, 64, 4, 1, slot_major=True))
-    q = torch.zeros(16, 12, 32)
-    with pytest.raises(ValueError, match="12 heads fill more than half of HB16/BN16/w4/s5's head block"):
-        backward(q, None, None, None, None, None, None, None, row0=0, seq_q=16, seq_kv=16, scale=1.0,
-                 config=Config(16, 16, 4, 5), pack=True)
 
 
-
-def test_a_choice_is_remembered_per_setting_of_the_kernels(monkeypatch):
-    # A benchmark's arms switch GENOLONG_SPARSE_MLA_SPLIT / _ADDS within one process: a launch config
-    # chosen under one setting must not be reused under another (the other's candidates differ).
-    pytest.importorskip("triton")
-    for name in (sparse_mla.ENV_SPLIT, sparse_mla.ENV_RED, sparse_mla.ENV_PACK):
-        monkeypatch.delenv(name, raising=False)
-    q = torch.zeros(2, 4, 512)
-    monkeypatch.setattr(sparse_mla, "_CHOSEN", {})
-    first, _ = sparse_mla.pick("fwd", q, 2051, trial=None)
-    monkeypatch.setenv(sparse_mla.ENV_SPLIT, "candidates")
-    monkeypatch.setenv(sparse_mla.ENV_RED, "layout")
-    second, _ = sparse_mla.pick("fwd", q, 2051, trial=None)
-    labels = sparse_mla.chosen_configs()
-    assert len(labels) == 2 and first == second  # on the CPU both are the first candidate, untimed
-    assert [name for name in labels if "GENOLONG_SPARSE_MLA_SPLIT=candidates GENOLONG_SPARSE_MLA_ADDS=layout" in name]

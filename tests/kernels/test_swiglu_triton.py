@@ -1,4 +1,4 @@
-"""The fused clamped SwiGLU of the MoE experts (genolong/kernels/swiglu_triton.py) in Triton's CPU
+"""The fused clamped SwiGLU of the MoE experts (genolong/kernels/moe/swiglu.py) in Triton's CPU
 interpreter against autograd of the model's eager expression (genolong.model.mlp.clamped_swiglu):
 values and gradients, the clamp bounds themselves, NaN, masked tails; inside the grouped MoE path
 with every gradient; the sm_90 builds; the setting that picks it."""
@@ -17,7 +17,8 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 _INTERPRETED = r"""
 import json
 import torch
-from genolong.kernels import moe_grouped as mg, swiglu_triton as st
+from genolong.kernels.moe import grouped as mg
+from genolong.kernels.moe import swiglu as st
 
 g = torch.Generator().manual_seed(0)
 limit = 1.5
@@ -116,7 +117,8 @@ def test_grouped_moe_with_the_fused_swiglu_has_the_eager_gradients(interpreted):
 
 @needs_triton
 def test_swiglu_kernels_compile_for_sm90_without_spills():
-    from genolong.kernels import aot, swiglu_triton
+    from genolong.kernels import aot
+    from genolong.kernels.moe import swiglu as swiglu_triton
 
     for inter in (256, 2048):  # glm53-mini, GLM-5.3-Flash
         for name, kernel in swiglu_triton.aot_compile(inter).items():
@@ -125,10 +127,11 @@ def test_swiglu_kernels_compile_for_sm90_without_spills():
 
 
 def test_swiglu_setting_names_a_wrong_value(monkeypatch):
-    from genolong.kernels.swiglu_triton import swiglu_mode
+    from genolong.errors import GenolongError
+    from genolong.kernels.moe.swiglu import swiglu_mode
 
     monkeypatch.setenv("GENOLONG_MOE_SWIGLU", "fused")
-    with pytest.raises(ValueError, match="GENOLONG_MOE_SWIGLU='fused': use one of eager, triton"):
+    with pytest.raises(GenolongError, match="GENOLONG_MOE_SWIGLU='fused' is not a setting; set it to one of triton, eager, or unset it"):
         swiglu_mode()
     monkeypatch.delenv("GENOLONG_MOE_SWIGLU")
     assert swiglu_mode() == "triton"  # the default since the H200 measurement
@@ -138,7 +141,7 @@ def test_packed_swiglu_refuses_an_odd_width():
     pytest.importorskip("triton")
     import torch
 
-    from genolong.kernels.swiglu_triton import clamped_swiglu_packed
+    from genolong.kernels.moe.swiglu import clamped_swiglu_packed
 
     with pytest.raises(ValueError, match=r"gate_up must be \[rows, 2 \* inter\], got \(4, 5\)"):
         clamped_swiglu_packed(torch.zeros(4, 5), 1.0)

@@ -326,14 +326,10 @@ def test_a_deferred_kept_result_is_stored_at_the_next_record_or_when_the_forward
     assert impl == "x" and torch.equal(kept[0], torch.ones(3))
 
 
-def test_the_packing_check_setting(monkeypatch):
-    from genolong.model.kept_selection import ENV_CHECK, PendingPack, pack_selection_deferred
+def test_the_packing_check_is_deferred(monkeypatch):
+    from genolong.model.kept_selection import PendingPack, pack_selection_deferred
 
     idx = torch.arange(24, dtype=torch.int32).view(1, 2, 12)  # two rows of three whole pools of 4
-    assert isinstance(pack_selection_deferred(idx, kpool=4, topk_pools=3), PendingPack)
-    monkeypatch.setenv(ENV_CHECK, "sync")
     kept = pack_selection_deferred(idx, kpool=4, topk_pools=3)
-    assert isinstance(kept, tuple) and torch.equal(kept[0], torch.tensor([[[0, 1, 2], [3, 4, 5]]], dtype=torch.int32))
-    monkeypatch.setenv(ENV_CHECK, "later")
-    with pytest.raises(GenolongError, match="GENOLONG_KEPT_PACK_CHECK='later' is not a setting"):
-        pack_selection_deferred(idx, kpool=4, topk_pools=3)
+    assert isinstance(kept, PendingPack)
+    assert torch.equal(kept.resolve()[0], torch.tensor([[[0, 1, 2], [3, 4, 5]]], dtype=torch.int32))

@@ -122,7 +122,7 @@ class _KeepInputs(torch.autograd.Function):
 def fused_stand_ins(monkeypatch):
     """Route the hot ops through stand-ins that save what the GPU kernels save (their inputs and,
     for DSA, the output), and MoE through the real grouped-expert code."""
-    from genolong.kernels.moe_grouped import experts_grouped, grouped_mm_loop
+    from genolong.kernels.moe.grouped import experts_grouped, grouped_mm_loop
     from genolong.model.dsa import sparse_attention_reference
     from genolong.model.kda import kda_reference
 
@@ -251,7 +251,7 @@ def test_backward_peak_counts_only_the_inputs_still_stored():
 
 
 def test_plan_kernel_constants_are_the_kernels_own():
-    from genolong.kernels import indexer_topk
+    from genolong.kernels.indexer import topk as indexer_topk
     from genolong.train import plan
 
     assert plan.INDEXER_GROUP == indexer_topk.GROUP

@@ -1,6 +1,6 @@
 """The MoE experts' clamped SwiGLU as one Triton pass forward and one backward.
 
-The grouped path (moe_grouped.py) runs h = silu(min(gate, L)) * clamp(up, -L, L) on the gate/up
+The grouped path (moe/grouped.py) runs h = silu(min(gate, L)) * clamp(up, -L, L) on the gate/up
 product [rows, 2I] of every chunk (rows = tokens x top-k). Eager, that is four kernels forward
 (two clamps, silu, the product; each result rounded to bf16 and written) and autograd's chain of
 about a dozen backward (the clamps' masks, silu's backward, the product's two sides, the two
@@ -22,9 +22,9 @@ interpreter against autograd of the eager expression (tests/kernels/test_swiglu_
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from genolong import switches
 
 try:
     import triton
@@ -32,17 +32,12 @@ try:
 except ImportError:
     triton = None
 
-MODES = ("eager", "triton")
 ENV_MODE = "GENOLONG_MOE_SWIGLU"
-DEFAULT_MODE = "triton"
 BR, BC = 32, 128  # rows x columns per program: 4 K elements, 16 per thread at 4 warps
 
 
 def swiglu_mode() -> str:
-    mode = os.environ.get(ENV_MODE, DEFAULT_MODE)
-    if mode not in MODES:
-        raise ValueError(f"{ENV_MODE}={mode!r}: use one of {', '.join(MODES)}")
-    return mode
+    return switches.get(ENV_MODE)
 
 
 if triton is not None:

@@ -59,7 +59,7 @@ def indexer_loss(index_q, pool_keys, head_weights, q, kv, indices, lse, *, kpool
                  index_scale: float, scale: float, grad_scale: float, budget_bytes: int = BUDGET_BYTES):
     """The op on any device Triton runs on (its interpreter on the CPU); no device checks."""
     check_supported(index_q, pool_keys, head_weights, q, kv, indices, lse, kpool=kpool, topk_pools=topk_pools)
-    from genolong.kernels import indexer_loss_triton as tk
+    from genolong.kernels.indexer import loss_triton as tk
 
     batch, seq = q.shape[:2]
     sel, device = topk_pools, q.device
@@ -99,7 +99,7 @@ def dsa_indexer_loss_fused(index_q, pool_keys, head_weights, q, kv, indices, lse
     """The "dsa_indexer_loss" op (docs/ops.md) on the GPU, through Triton."""
     _common.require_cuda(index_q, pool_keys, head_weights, q, kv, indices, lse)
     try:
-        import genolong.kernels.indexer_loss_triton  # noqa: F401
+        import genolong.kernels.indexer.loss_triton  # noqa: F401
     except ImportError as why:
         raise KernelUnsupported(f"triton is not importable: {why}") from why
     return indexer_loss(index_q, pool_keys, head_weights, q, kv, indices, lse, kpool=kpool, topk_pools=topk_pools,

@@ -18,27 +18,20 @@ after, so this costs one layer's intermediates for a moment (five [T, H, D] tens
 peak measured at 128k for glm53-mini's 4 heads, H200) and saves fla's second pass over the sequence
 (chunk_gated_delta_rule_fwd_h) per layer.
 Outside a checkpoint fla's default stays (saved tensors would live for the whole step there).
-`GENOLONG_KDA_KEEP=off` keeps fla's default everywhere.
 """
 
 from __future__ import annotations
 
 import torch
 
-from genolong.errors import env_choice
 from genolong.kernels import _common
 from genolong.model import ops
 from genolong.model.kda import check_state
 from genolong.model.ops import KernelUnsupported
 
-ENV_KEEP = "GENOLONG_KDA_KEEP"
-
-
 def keep_intermediates() -> bool:
-    """fla keeps its intermediates for backward: inside a layer checkpoint, unless GENOLONG_KDA_KEEP=off."""
-    value = env_choice(ENV_KEEP, "on", {"on": "inside a layer checkpoint fla keeps its intermediates for backward",
-                                        "off": "fla recomputes them in backward"})
-    return value == "on" and torch.is_grad_enabled() and ops.checkpointed()
+    """fla keeps its intermediates for backward: inside a layer checkpoint, with gradients on."""
+    return torch.is_grad_enabled() and ops.checkpointed()
 
 
 def kda_fla(

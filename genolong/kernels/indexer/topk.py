@@ -31,7 +31,6 @@ Both return the op's output: int32 [B, T, topk_pools * kpool (+ kpool - 1 tail)]
 
 from __future__ import annotations
 
-import os
 import torch
 
 from genolong.kernels import _common
@@ -42,10 +41,7 @@ GROUP = 8
 # G changes the cost, never the selection: fewer pools per group halve pass 2's gathered
 # candidates (G * topk per query) for twice the group maxima. Measured at 512k on the H200
 # (bench_indexer.py, 2026-12-02, side by side): G=4 242.3 ms, G=8 351.5 ms, the same selections.
-# GENOLONG_INDEXER_V2_GROUP overrides it.
 V2_GROUP = 4
-ENV_V2_GROUP = "GENOLONG_INDEXER_V2_GROUP"
-ENV_V2_STREAMED = "GENOLONG_INDEXER_V2_STREAMED"  # "0": v1 where v2's pass 1 would stream q (more heads than it holds)
 BUDGET_BYTES = 2 << 30
 MIN_CHUNK = 64
 
@@ -253,35 +249,10 @@ def _check(index_q, pool_keys, head_weights):
 
 def _triton():
     try:
-        from genolong.kernels import indexer_triton
+        from genolong.kernels.indexer import triton_kernels as indexer_triton
     except ImportError as why:
         raise KernelUnsupported(f"triton is not importable: {why}") from why
     return indexer_triton
-
-
-def _check_v2_streamed(triton_mod, index_q) -> None:
-    """With more heads than the resident pass-1 kernel holds (GLM-5.3-Flash's 32), v2 streams q
-    through pass 1. Proven on the H200 on 2026-12-03: its selection test passed at 32 heads and at
-    128k it ran 85.9 ms against v1's 129.3 (docs/performance.md), so it is the
-    default; GENOLONG_INDEXER_V2_STREAMED=0 keeps v1 for those shapes (the comparison's old arm)."""
-    heads, dim = index_q.shape[2], index_q.shape[3]
-    setting = os.environ.get(ENV_V2_STREAMED, "1")
-    if setting not in ("0", "1"):
-        from genolong.errors import GenolongError
-
-        raise GenolongError(f"{ENV_V2_STREAMED}={setting!r} is not 0 or 1; unset it (v2 everywhere) or set 0 (v1 where pass 1 streams)")
-    if setting == "0" and not triton_mod.q_resident(heads, dim, triton_mod.BM2):
-        raise KernelUnsupported(f"{ENV_V2_STREAMED}=0: v1 runs for {heads} heads (v2's pass 1 would stream q)")
-
-
-def v2_group() -> int:
-    """Pools per group of the v2 path: V2_GROUP, or GENOLONG_INDEXER_V2_GROUP (a power of two)."""
-    from genolong.errors import GenolongError
-
-    text = os.environ.get(ENV_V2_GROUP, str(V2_GROUP))
-    if not text.isdigit() or int(text) < 1 or int(text) & (int(text) - 1):
-        raise GenolongError(f"{ENV_V2_GROUP}={text!r} is not a power of two; set it to e.g. {V2_GROUP} or unset it")
-    return int(text)
 
 
 def dsa_indexer_topk_fused_select(index_q, pool_keys, head_weights, *, kpool, topk_pools, always_select_tail, softmax_scale,
@@ -290,9 +261,8 @@ def dsa_indexer_topk_fused_select(index_q, pool_keys, head_weights, *, kpool, to
     _check(index_q, pool_keys, head_weights)
     triton_mod = _triton()
     triton_mod.check_supported(index_q, pool_keys)
-    group = v2_group()
+    group = V2_GROUP
     triton_mod.check_supported_v2(kpool, topk_pools, group, pool_keys.shape[1])
-    _check_v2_streamed(triton_mod, index_q)
     return indexer_fused_select(index_q, pool_keys, head_weights, kpool=kpool, topk_pools=topk_pools, group=group,
                                 always_select_tail=always_select_tail, softmax_scale=softmax_scale, query_offset=query_offset,
                                 group_max=triton_mod.group_max_v2, select_groups=triton_mod.select_groups,

@@ -5,16 +5,11 @@ sublayer over [T, n, n] fp32, and autograd keeps every one of the 39 intermediat
 the backward. Here each program holds BT tokens' n x n matrices in registers:
 
 - forward: the reference's order exactly (a column pass, then iters - 1 row + column passes);
-- backward ("recompute"): only the input is saved. Half-step s of the forward is y = x / (sum(x) + eps) over
-  rows or columns; its vector-Jacobian product is dx = (dy - sum(dy * y)) / (sum(x) + eps)
-  over the same axis. The backward walks the half-steps from the last to the first and
-  recomputes each one's input from the saved matrix (O(steps^2) register arithmetic, ~1,500
-  half-steps of 16 numbers per token at 20 iterations: cheaper than the memory traffic and
-  the memory that saved intermediates would cost).
-- backward ("stored", the default since it was measured on the H200, 2026-12-02: 0.28 ms a call
-  at 128k tokens against 1.50 ms, 0.83 vs 5.78 ms at 512k): one forward pass keeps each
-  half-step's sums, then each input is rebuilt from its output (docs/kernels.md, "Fused mHC").
-  GENOLONG_SINKHORN_BWD=recompute selects the other.
+- backward: only the input is saved. Half-step s of the forward is y = x / (sum(x) + eps) over
+  rows or columns; its vector-Jacobian product is dx = (dy - sum(dy * y)) / (sum(x) + eps) over
+  the same axis. One forward pass keeps each half-step's sums (a transient STEPS x n fp32 per
+  token: 80 MiB at 128k tokens), then the half-steps run from the last to the first, each input
+  rebuilt from its output (docs/kernels.md, "Fused mHC").
 
 `torch.ops.genolong.mhc_sinkhorn` wraps both kernels with autograd; torch.compile sees it as one
 opaque op. On CPU tensors the op runs the reference (the kernels run on the CPU only under
@@ -22,8 +17,6 @@ Triton's interpreter, which the tests use).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -60,28 +53,6 @@ if triton is not None:
         tl.store(y_ptr + offs, x, mask=live)
 
     @triton.jit
-    def _sinkhorn_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_tokens, eps, N: tl.constexpr, STEPS: tl.constexpr, BT: tl.constexpr):
-        tok = tl.program_id(0) * BT + tl.arange(0, BT)
-        i = tl.arange(0, N)
-        offs = tok[:, None, None].to(tl.int64) * (N * N) + i[None, :, None] * N + i[None, None, :]
-        live = (tok < n_tokens)[:, None, None]
-        x0 = tl.load(x_ptr + offs, mask=live, other=1.0)
-        g = tl.load(dy_ptr + offs, mask=live, other=0.0)
-        for r in range(STEPS):
-            s = STEPS - 1 - r
-            x = x0
-            # A fixed trip count with the steps past s masked off (a loop bound that depends on
-            # the outer loop does not run in Triton's interpreter): twice the minimum arithmetic.
-            for u in range(STEPS - 1):
-                x = tl.where(u < s, _normalise(x, u, eps), x)
-            col = s % 2 == 0
-            total = tl.where(col, tl.sum(x, axis=1)[:, None, :], tl.sum(x, axis=2)[:, :, None]) + eps
-            y = x / total
-            gy = g * y
-            g = (g - tl.where(col, tl.sum(gy, axis=1)[:, None, :], tl.sum(gy, axis=2)[:, :, None])) / total
-        tl.store(dx_ptr + offs, g, mask=live)
-
-    @triton.jit
     def _sinkhorn_bwd_stored_kernel(
         x_ptr, dy_ptr, dx_ptr, tot_ptr, n_tokens, eps, N: tl.constexpr, STEPS: tl.constexpr, BT: tl.constexpr
     ):
@@ -115,20 +86,6 @@ if triton is not None:
         tl.store(dx_ptr + offs, g, mask=live)
 
 
-# Which backward kernel runs: "recompute" (each half-step's input recomputed from the saved matrix,
-# O(steps^2)) or "stored" (O(steps), its sums kept in a transient buffer of STEPS x n fp32 per
-# token: 624 B at n = 4 and 20 iterations, 80 MiB at 128k tokens; 5.3x faster on the H200,
-# benchmarks/bench_sinkhorn.py, so the default).
-BACKWARDS = ("recompute", "stored")
-
-
-def backward_mode() -> str:
-    mode = os.environ.get("GENOLONG_SINKHORN_BWD", "stored")
-    if mode not in BACKWARDS:
-        raise ValueError(f"GENOLONG_SINKHORN_BWD={mode!r}: use one of {', '.join(BACKWARDS)}")
-    return mode
-
-
 def steps(iters: int) -> int:
     """Half-steps of the reference: one column pass, then iters - 1 row + column passes."""
     return 2 * iters - 1
@@ -148,18 +105,13 @@ def sinkhorn_forward(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor
     return y
 
 
-def sinkhorn_backward(comb: torch.Tensor, grad: torch.Tensor, iters: int, eps: float, mode: str | None = None) -> torch.Tensor:
-    """The Triton backward: the gradient with respect to the forward's input, from that input alone.
-    mode: "recompute" or "stored" (see BACKWARDS); None: GENOLONG_SINKHORN_BWD, default stored."""
-    mode = mode or backward_mode()
+def sinkhorn_backward(comb: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The Triton backward: the gradient with respect to the forward's input, from that input alone."""
     x, dy = comb.contiguous(), grad.contiguous().to(comb.dtype)
     dx = torch.empty_like(x)
     n = x.shape[-1]
-    if mode == "stored":
-        sums = torch.empty(x.numel() // (n * n), steps(iters), n, dtype=x.dtype, device=x.device)
-        _launch(_sinkhorn_bwd_stored_kernel, x, dy, dx, sums, n=n, iters=iters, eps=eps)
-    else:
-        _launch(_sinkhorn_bwd_kernel, x, dy, dx, n=n, iters=iters, eps=eps)
+    sums = torch.empty(x.numel() // (n * n), steps(iters), n, dtype=x.dtype, device=x.device)
+    _launch(_sinkhorn_bwd_stored_kernel, x, dy, dx, sums, n=n, iters=iters, eps=eps)
     return dx
 
 
@@ -235,8 +187,7 @@ def aot_compile(n: int = 4, iters: int = 20, arch: int = 90) -> dict:
     const = dict(N=n, STEPS=steps(iters), BT=BT)
     built = {}
     for name, kernel, ptrs in (("forward", _sinkhorn_fwd_kernel, ("x_ptr", "y_ptr")),
-                               ("backward", _sinkhorn_bwd_kernel, ("x_ptr", "dy_ptr", "dx_ptr")),
-                               ("backward stored", _sinkhorn_bwd_stored_kernel, ("x_ptr", "dy_ptr", "dx_ptr", "tot_ptr"))):
+                               ("backward", _sinkhorn_bwd_stored_kernel, ("x_ptr", "dy_ptr", "dx_ptr", "tot_ptr"))):
         args = {**dict.fromkeys(ptrs, "*fp32"), "n_tokens": "i32", "eps": "fp32"}
         built[name] = aot.build(kernel, args, const, num_warps=4, arch=arch)
     return built

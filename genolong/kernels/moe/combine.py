@@ -1,6 +1,6 @@
 """The MoE combine without atomics: each token's k expert outputs, weighted by the router, summed.
 
-The grouped path (moe_grouped.py) computes the experts' outputs in expert order and adds them back
+The grouped path (moe/grouped.py) computes the experts' outputs in expert order and adds them back
 to their tokens with a bf16 `index_add` — atomic adds to random rows (the 128k glm53-mini step
 on the H200 spent 285 ms in 504 bf16 index_add kernels, profile of 2026-12-02; how much of it is the combine's was not separated), plus the fp32
 product with the weights and its cast before it. Here the sum is read-side:
@@ -23,11 +23,10 @@ the old path. The CPU tests run it under Triton's interpreter against the index_
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from genolong.errors import env_choice
+from genolong import switches
 
 try:
     import triton
@@ -35,24 +34,21 @@ try:
 except ImportError:
     triton = None
 
-COMBINES = ("index_add", "triton")
 BT, BD, BR = 16, 128, 32
 
 
-def combine_mode() -> str:
-    mode = os.environ.get("GENOLONG_MOE_COMBINE", "triton")
-    if mode not in COMBINES:
-        raise ValueError(f"GENOLONG_MOE_COMBINE={mode!r}: use one of {', '.join(COMBINES)}")
-    return mode
-
-
+ENV_COMBINE = "GENOLONG_MOE_COMBINE"
 ENV_DISPATCH = "GENOLONG_MOE_DISPATCH"
+
+
+def combine_mode() -> str:
+    """"triton" (default: `combine`, the read-side sum) or "index_add" (`combine_index_add`)."""
+    return switches.get(ENV_COMBINE)
 
 
 def dispatch_mode() -> str:
     """"triton" (default: `dispatch`, the read-side backward) or "index" (`dispatch_index`, autograd's)."""
-    return env_choice(ENV_DISPATCH, "triton", {"triton": "the dispatch's backward as a read-side sum (moe_combine_triton.dispatch)",
-                                               "index": "advanced indexing, autograd's sorted index backward"})
+    return switches.get(ENV_DISPATCH)
 
 
 if triton is not None:

@@ -2,7 +2,7 @@
 
 In a 128k glm53-mini step the router's `torch.topk` (top 4 of 64 experts, 252 calls over the MoE
 forwards and their recomputes) ran as PyTorch's radix-select kernel, `gatherTopK`: 59.9 ms of
-GPU time for 32 MiB of scores a call (H200 profile of 2026-12-03, ~140 GB/s). Here one
+GPU time for 32 MiB of scores a call (benchmarks/h200-2026-12-03-s18, ~140 GB/s). Here one
 program takes a block of tokens, holds their scores in registers and takes the maximum k times:
 one read of the scores, one write of the indices.
 
@@ -13,7 +13,7 @@ which the compiled router (genolong/train/compile.py) calls unless GENOLONG_ROUT
 off CUDA, or for shapes the kernel does not take, the op runs `torch.topk`. Checked in Triton's
 interpreter, for sm_90 on the CPU and on an H100 against torch.topk (tests/gpu/test_fastops.py); the
 default since 2026-12-05, when it and the indexer's narrow top-k took a 128k step from 6.50 to 6.31 s
-on an H100 (docs/performance.md).
+on an H100.
 """
 
 from __future__ import annotations
@@ -24,21 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from genolong.errors import GenolongError
+from genolong import switches
 
 ENV = "GENOLONG_ROUTER_TOPK"
-SETTINGS = ("torch", "triton")
-DEFAULT = "triton"
 MAX_EXPERTS = 1024  # one row's scores held in registers
 MAX_K = 16
 
 
 def setting() -> str:
     """GENOLONG_ROUTER_TOPK: "triton" (default; this kernel, on CUDA) or "torch" (torch.topk)."""
-    value = os.environ.get(ENV, DEFAULT)
-    if value not in SETTINGS:
-        raise GenolongError(f"{ENV}={value!r} is not one of {', '.join(SETTINGS)}; unset it for {DEFAULT!r}")
-    return value
+    return switches.get(ENV)
 
 
 def unsupported(choice: torch.Tensor, k: int) -> str | None:

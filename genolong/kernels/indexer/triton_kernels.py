@@ -1,4 +1,4 @@
-"""The Triton passes of the fused indexer (see indexer_topk.py for the algorithm).
+"""The Triton passes of the fused indexer (see indexer/topk.py for the algorithm).
 
 Two generations live here side by side, so the benchmark can time them on the same input:
 
@@ -17,7 +17,6 @@ Pass 2 (`candidate_scores`): one program per query; it gathers the keys of its c
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -197,28 +196,9 @@ BC2 = 128
 SUPER = 8
 # Longest row of super-group maxima the group selection holds in registers (4M tokens at kpool 4, G 8).
 MAX_SUPER_GROUPS = 16384
-# The in-register top-k of the two selection kernels, by name: (uint32 keys with the early stop, warps).
-# "narrow" is the default since 2026-12-05 (with the router's top-k kernel, a 128k step 6.50 -> 6.31 s
-# on an H100; docs/performance.md); "wide" (int64 keys, 32 steps) is the
-# build before it, kept for side-by-side runs (GENOLONG_INDEXER_TOP). Every build selects the same entries.
-TOP_BUILDS = {"wide": (False, 4), "narrow": (True, 4), "narrow8": (True, 8)}
-TOP_DEFAULT = "narrow"
-ENV_TOP = "GENOLONG_INDEXER_TOP"
-
-
-def top_build() -> str:
-    """The selection build named by GENOLONG_INDEXER_TOP (default TOP_DEFAULT)."""
-    name = os.environ.get(ENV_TOP, TOP_DEFAULT)
-    if name not in TOP_BUILDS:
-        from genolong.errors import GenolongError
-
-        raise GenolongError(f"{ENV_TOP}={name!r} is not one of {', '.join(TOP_BUILDS)}; unset it for {TOP_DEFAULT!r}")
-    return name
-
-
-def _top_options(top: str | None) -> dict:
-    narrow, warps = TOP_BUILDS[top or top_build()]
-    return dict(NARROW=narrow, num_warps=warps)
+# Warps of the two selection kernels: their in-register top-k (`_top_narrow`) holds its keys in 168
+# registers a thread at 4 warps (sm_90), so an SM holds two programs.
+SELECT_WARPS = 4
 
 
 # What the resident kernel's q blocks and pipelined key blocks may take together: sm_90's 227 KiB
@@ -334,37 +314,14 @@ def _group_max_v2_streamed_kernel(q_ptr, k_ptr, w_ptr, out_ptr, sg_ptr, n_rows, 
 
 
 @triton.jit
-def _top(s, TOPK: tl.constexpr):
-    """The TOPK largest finite entries of the 1-D fp32 block s: (chosen mask, slot of each chosen
-    entry in [0, take), take = min(TOPK, number of finite entries))."""
-    valid = s > float("-inf")
-    take = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), TOPK)
-    # Order-preserving integer key of each fp32 score (negative floats have their magnitude bits
-    # flipped), shifted to [0, 2^32) in int64; invalid entries get 0, below every valid key.
-    bits = s.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
-    key = tl.where(valid, key, 0)
-    # The take-th largest key, bit by bit from the top: the largest value v with at least `take`
-    # keys >= v. Exact: no histogram buckets, no sampling.
-    kth = tl.zeros((), dtype=tl.int64)
-    for b in tl.static_range(32):
-        trial = kth | (1 << (31 - b))
-        enough = tl.sum((key >= trial).to(tl.int32), axis=0) >= take
-        kth = tl.where(enough, trial, kth)
-    above = valid & (key > kth)
-    tied = valid & (key == kth)
-    room = take - tl.sum(above.to(tl.int32), axis=0)
-    chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= room))
-    return chosen, tl.cumsum(chosen.to(tl.int32), axis=0) - 1, take
-
-
-@triton.jit
 def _top_narrow(s, TOPK: tl.constexpr):
-    """`_top`'s selection, equal entry for entry, in fewer registers and search steps: the keys are
-    the same numbers in uint32 (not int64: half the registers, which bound how many programs an SM
-    holds), the search stops at the first threshold with exactly `take` keys at or above it (about
-    20 of 32 steps on distinct scores; at once when every finite entry is taken), and the tie-break's
-    running count is made only when ties straddle the threshold."""
+    """The TOPK largest finite entries of the 1-D fp32 block s: (chosen mask, slot of each chosen
+    entry in [0, take), take = min(TOPK, number of finite entries)); ties at the threshold are taken
+    by position. Each score becomes an order-preserving uint32 key (negative floats have their
+    magnitude bits flipped); the take-th largest key is built bit by bit from the top (exact: no
+    histogram buckets), stopping at the first threshold with exactly `take` keys at or above it
+    (about 20 of 32 steps on distinct scores; at once when every finite entry is taken); the
+    tie-break's running count is made only when ties straddle the threshold."""
     valid = s > float("-inf")
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     take = tl.minimum(n_valid, TOPK)
@@ -392,25 +349,17 @@ def _top_narrow(s, TOPK: tl.constexpr):
 
 
 @triton.jit
-def _pick(s, TOPK: tl.constexpr, NARROW: tl.constexpr):
-    if NARROW:
-        return _top_narrow(s, TOPK)
-    else:
-        return _top(s, TOPK)
-
-
-@triton.jit
 def _select_groups_kernel(gmax_ptr, sg_ptr, scratch_ptr, gidx_ptr, gval_ptr, n_groups, n_super,
                           stride_gm, stride_sg, stride_sc, stride_gt,
-                          SG: tl.constexpr, NSG: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NARROW: tl.constexpr):
+                          SG: tl.constexpr, NSG: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
     # One query per program. The top TOPK groups lie in the top TOPK super-groups (the argument of
-    # indexer_topk.py once more, one level up): choose those from the row of super-group maxima,
+    # indexer/topk.py once more, one level up): choose those from the row of super-group maxima,
     # then the top TOPK groups among their SG * TOPK groups. Replaces torch.topk over the whole row
     # of group maxima (SG times longer) with two selections in registers.
     row = tl.program_id(0).to(tl.int64)
     sgi = tl.arange(0, NSG)
     sgv = tl.load(sg_ptr + row * stride_sg + sgi, mask=sgi < n_super, other=float("-inf"))
-    chosen, slot, take = _pick(sgv, TOPK, NARROW)
+    chosen, slot, take = _top_narrow(sgv, TOPK)
     tl.store(scratch_ptr + row * stride_sc + slot, sgi, mask=chosen)
     # The chosen super-groups were written by other threads of this program.
     tl.debug_barrier()
@@ -420,7 +369,7 @@ def _select_groups_kernel(gmax_ptr, sg_ptr, scratch_ptr, gidx_ptr, gval_ptr, n_g
     gid = sup * SG + c % SG
     ok = member & (gid < n_groups)
     gv = tl.load(gmax_ptr + row * stride_gm + gid, mask=ok, other=float("-inf"))
-    chosen, slot, take = _pick(gv, TOPK, NARROW)
+    chosen, slot, take = _top_narrow(gv, TOPK)
     tl.store(gidx_ptr + row * stride_gt + slot, gid.to(tl.int64), mask=chosen)
     tl.store(gval_ptr + row * stride_gt + slot, gv, mask=chosen)
     u = tl.arange(0, TOPK_P2)
@@ -434,7 +383,7 @@ def _select_kernel(q_ptr, k_ptr, w_ptr, gidx_ptr, gval_ptr, scratch_ptr, out_ptr
                    stride_qt, stride_qh, stride_kp, stride_wt, stride_gt, stride_st, stride_ot,
                    KPOOL: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, BC: tl.constexpr, N_BLOCKS: tl.constexpr, NC: tl.constexpr,
-                   TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TAIL: tl.constexpr, NARROW: tl.constexpr):
+                   TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TAIL: tl.constexpr):
     # One query per program: exact scores of its G * TOPK candidate pools (as v1's pass 2), then
     # the final top-TOPK chosen here instead of by torch.topk, and written straight out as token
     # indices with the tail pool: no candidate-score round trip through a top-k and an expansion.
@@ -453,7 +402,7 @@ def _select_kernel(q_ptr, k_ptr, w_ptr, gidx_ptr, gval_ptr, scratch_ptr, out_ptr
 
     c = tl.arange(0, NC)
     s = tl.load(scratch_ptr + row * stride_st + c, mask=c < n_cand, other=float("-inf"))
-    chosen, slot, take = _pick(s, TOPK, NARROW)
+    chosen, slot, take = _top_narrow(s, TOPK)
     gi = tl.load(gidx_ptr + row * stride_gt + c // G, mask=c < n_cand, other=0)
     pool = gi * G + c % G
     j = tl.arange(0, KPOOL)
@@ -500,9 +449,8 @@ def _pass1_v2_kernel(heads: int, dim: int, bm: int, resident: bool | None, bn: i
     return _group_max_v2_kernel if resident else _group_max_v2_streamed_kernel
 
 
-def select_groups(maxima, topk_pools: int, *, top: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top `topk_pools` groups from pass 1 v2's maxima: (group ids int64, their maxima; -inf = none).
-    `top` names the in-register selection (`TOP_BUILDS`; None: `top_build()`)."""
+def select_groups(maxima, topk_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top `topk_pools` groups from pass 1 v2's maxima: (group ids int64, their maxima; -inf = none)."""
     gmax, sg, sup = maxima
     n = gmax.shape[0]
     if sg.shape[1] > MAX_SUPER_GROUPS:
@@ -516,14 +464,13 @@ def select_groups(maxima, topk_pools: int, *, top: str | None = None) -> tuple[t
     _select_groups_kernel[(n,)](gmax, sg, scratch, gidx, gval, gmax.shape[1], sg.shape[1],
                                 gmax.stride(0), sg.stride(0), scratch.stride(0), gidx.stride(0),
                                 SG=sup, NSG=max(16, triton.next_power_of_2(sg.shape[1])), TOPK=topk_pools, TOPK_P2=topk_p2,
-                                **_top_options(top))
+                                num_warps=SELECT_WARPS)
     return gidx, gval
 
 
 def select_candidates(q, keys, w, t, gidx, gval, out, *, kpool: int, scale: float, group: int, topk_pools: int,
-                      always_select_tail: bool, top: str | None = None) -> None:
-    """Pass 2 v2: writes the op's rows for queries t into `out` [n, W] (int32, from the kernel alone).
-    `top` names the in-register selection (`TOP_BUILDS`; None: `top_build()`)."""
+                      always_select_tail: bool) -> None:
+    """Pass 2 v2: writes the op's rows for queries t into `out` [n, W] (int32, from the kernel alone)."""
     n, heads, dim = q.shape
     n_cand = gidx.shape[1] * group
     if n == 0:
@@ -537,7 +484,7 @@ def select_candidates(q, keys, w, t, gidx, gval, out, *, kpool: int, scale: floa
                          KPOOL=kpool, H=heads, HP=_heads_padded(heads, 16), D=dim, G=group, BC=BC2,
                          N_BLOCKS=triton.cdiv(n_cand, BC2), NC=max(16, triton.next_power_of_2(n_cand)),
                          TOPK=topk_pools, TOPK_P2=max(1, triton.next_power_of_2(topk_pools)),
-                         TAIL=always_select_tail and kpool > 1, **_top_options(top))
+                         TAIL=always_select_tail and kpool > 1, num_warps=SELECT_WARPS)
 
 
 def aot_compile_group_max_v2(heads: int, dim: int, kpool: int, group: int, tile: tuple = PASS1_TILES[0], arch: int = 90):
@@ -553,25 +500,22 @@ def aot_compile_group_max_v2(heads: int, dim: int, kpool: int, group: int, tile:
 
 
 def aot_compile_v2(heads: int, dim: int, kpool: int, group: int, topk_pools: int = 512, seq: int = 1 << 20,
-                   arch: int = 90, top: str = TOP_DEFAULT) -> dict:
+                   arch: int = 90) -> dict:
     """The three v2 kernels with their default launch configs, built for a GPU architecture
     without a GPU and specialised as the JIT specialises their launches (the group selection for
     the super-groups of `seq` tokens): {name: kernel}."""
     argsg = dict(gmax_ptr="*fp32", sg_ptr="*fp32", scratch_ptr="*i32", gidx_ptr="*i64", gval_ptr="*fp32", n_groups="i32",
                  n_super="i32", stride_gm="i32", stride_sg="i32", stride_sc=topk_pools, stride_gt=topk_pools)
     n_super = -(-seq // kpool // (group * SUPER))
-    narrow, warps = TOP_BUILDS[top]
-    constg = dict(SG=SUPER, NSG=max(16, triton.next_power_of_2(n_super)), TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools),
-                  NARROW=narrow)
+    constg = dict(SG=SUPER, NSG=max(16, triton.next_power_of_2(n_super)), TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools))
     n_cand = topk_pools * group
     args2 = dict(q_ptr="*bf16", k_ptr="*bf16", w_ptr="*fp32", gidx_ptr="*i64", gval_ptr="*fp32", scratch_ptr="*fp32",
                  out_ptr="*i32", t0="i32", n_pools="i32", n_cand=n_cand, stride_qt=heads * dim, stride_qh=dim, stride_kp=dim,
                  stride_wt=heads, stride_gt=topk_pools, stride_st=n_cand, stride_ot=topk_pools * kpool + kpool - 1)
     const2 = dict(KPOOL=kpool, H=heads, HP=_heads_padded(heads, 16), D=dim, G=group, BC=BC2, N_BLOCKS=n_cand // BC2,
-                  NC=triton.next_power_of_2(n_cand), TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools), TAIL=True,
-                  NARROW=narrow)
+                  NC=triton.next_power_of_2(n_cand), TOPK=topk_pools, TOPK_P2=triton.next_power_of_2(topk_pools), TAIL=True)
     return {
         "group_max_v2": aot_compile_group_max_v2(heads, dim, kpool, group, arch=arch),
-        "select_groups": aot.build(_select_groups_kernel, argsg, constg, num_warps=warps, arch=arch),
-        "select_candidates": aot.build(_select_kernel, args2, const2, num_warps=warps, arch=arch),
+        "select_groups": aot.build(_select_groups_kernel, argsg, constg, num_warps=SELECT_WARPS, arch=arch),
+        "select_candidates": aot.build(_select_kernel, args2, const2, num_warps=SELECT_WARPS, arch=arch),
     }

@@ -1,4 +1,4 @@
-"""The three Triton kernels of the fused "dsa_indexer_loss" (driven by genolong/kernels/indexer_loss.py).
+"""The three Triton kernels of the fused "dsa_indexer_loss" (driven by genolong/kernels/indexer/loss.py).
 
 Per chunk of queries, with only [chunk x selected pools] fp32 buffers in between (never a
 [chunk x W x latent] gather, never [T x T]):

@@ -11,7 +11,7 @@ Forward (`mix_collapse`, `expand`):
    x . fn^T (one tensor-core product per block, accumulated in fp32 and rounded to the
    streams' dtype as the reference's linear output is), and rstd = rsqrt(mean square + eps).
    The logits' pointwise tail (sigmoids, softmax, Sinkhorn: [T, 24] numbers) stays in PyTorch
-   with the Triton Sinkhorn (genolong/kernels/mhc_sinkhorn.py): it is 1/170 of the streams.
+   with the Triton Sinkhorn (genolong/kernels/mhc/sinkhorn.py): it is 1/170 of the streams.
 2. `_collapse_kernel`: the sublayer's input sum_i pre[i] x[i] (fp32 accumulation).
 3. `_expand_kernel`: new[o] = post[o] out + sum_i comb[i, o] residual[i].
 Backward:
@@ -279,7 +279,7 @@ def expand_backward(post, comb, out, residual, grad):
 
 def _tail(raw, rstd, base, scale, n: int, iters: int, eps: float):
     """pre, post and Sinkhorn'd comb from the raw logits: the reference's own pointwise code."""
-    from genolong.kernels import mhc_sinkhorn  # noqa: F401  (registers torch.ops.genolong.mhc_sinkhorn)
+    from genolong.kernels.mhc import sinkhorn as mhc_sinkhorn  # noqa: F401  (registers torch.ops.genolong.mhc_sinkhorn)
 
     pre, post, comb = mhc_reference.mix_from_logits(raw * rstd[:, None], base, scale, n=n, eps=eps)
     return pre, post, torch.ops.genolong.mhc_sinkhorn(comb.contiguous(), iters, eps)

@@ -13,9 +13,8 @@ PyTorch form (tests/kernels/test_kept_selection_triton.py, in the interpreter).
 
 The default on CUDA (`GENOLONG_KEPT_SELECTION=torch` keeps the PyTorch passes): equal to them on the
 H200 (tests/gpu/test_selection_passes.py); with the fused row bounds a 128k step ran 6.25 s against
-6.35 s, each of four counted steps faster (H200, 2026-12-03).
-Before the step's host syncs were removed the 142 ms of GPU time they save did not show in the
-wall clock (7.54 vs 7.20 s, sixteenth session).
+6.35 s, each of four counted steps faster (H200, 2026-12-03). Before the step's host syncs were
+removed the 142 ms of GPU time they save did not show in the wall clock (7.54 vs 7.20 s).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from genolong.errors import GenolongError
+from genolong import switches
 
 ENV = "GENOLONG_KEPT_SELECTION"
 
@@ -34,9 +33,7 @@ ENV = "GENOLONG_KEPT_SELECTION"
 def enabled(t: torch.Tensor, kpool: int) -> bool:
     """Whether the fused passes take this selection: int32 on CUDA (or in Triton's interpreter), a
     power-of-two pool size, and not turned off (GENOLONG_KEPT_SELECTION=torch)."""
-    setting = os.environ.get(ENV, "triton")
-    if setting not in ("triton", "torch"):
-        raise GenolongError(f"{ENV}={setting!r} is not triton or torch; unset it or set one of those")
+    setting = switches.get(ENV)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return (setting == "triton" and t.dtype == torch.int32 and (t.is_cuda or interpreted)
             and kpool >= 2 and kpool & (kpool - 1) == 0)

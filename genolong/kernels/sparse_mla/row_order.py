@@ -1,6 +1,6 @@
 """Whether the selection rows reaching the key-chunked sparse backward ascend, learned without a host sync.
 
-The key-chunked backward (sparse_mla.py) walks each query's slots key chunk by key chunk. Rows that
+The key-chunked backward (sparse_mla/op.py) walks each query's slots key chunk by key chunk. Rows that
 ascend apart from their empty slots (the fused indexer writes them so) can be walked as they are;
 other rows are sorted first (130 ms of a 128k step when every row was). Which of the two to do is a
 question of speed only: the kernel addresses keys absolutely, so any row walked with the ranges

@@ -9,9 +9,9 @@ values and int64 positions), the comparison, an all and a searchsorted: seven pa
 per row loads the row once, scans it in registers and writes its C + 1 bounds and whether it
 ascends (one int32 flag for the launch, lowered with an atomic min). Integer arithmetic only: the
 result equals the PyTorch form's exactly (tests/kernels/test_chunk_bounds.py, in the interpreter;
-tests/gpu/test_selection_passes.py on the H200). The default on CUDA (GENOLONG_SPARSE_MLA_BOUNDS=torch
-keeps the PyTorch passes): with the fused kept selection a 128k step ran 6.25 s against 6.35 s (each
-of four counted steps faster; H200, 2026-12-03).
+tests/gpu/test_selection_passes.py on the H200; the PyTorch form is
+sparse_mla.ascending_bounds_reference). With the fused kept selection a 128k step ran 6.25 s against
+6.35 s with the PyTorch passes (each of four counted steps faster; H200, 2026-12-03).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from genolong.kernels import _common, moe_combine_triton, swiglu_triton
-from genolong.kernels.moe_combine_triton import combine_index_add, dispatch_index
+from genolong.kernels import _common
+from genolong.kernels.moe import combine as moe_combine_triton
+from genolong.kernels.moe import swiglu as swiglu_triton
+from genolong.kernels.moe.combine import combine_index_add, dispatch_index
 from genolong.model.mlp import clamped_swiglu
 from genolong.model.ops import KernelUnsupported
 
@@ -64,8 +66,8 @@ def sort_keys(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 def experts_grouped(x, topk_idx, topk_w, gate_up_proj, down_proj, *, swiglu_limit, chunk_tokens=None, mm=grouped_mm,
                     combine=combine_index_add, swiglu=swiglu_eager, dispatch=dispatch_index):
-    """combine(out, order, weight, k): the weighted sum back to the tokens (moe_combine_triton.py);
-    swiglu(gate_up, limit): the activation on [gate | up] (swiglu_triton.py fuses it);
+    """combine(out, order, weight, k): the weighted sum back to the tokens (moe/combine.py);
+    swiglu(gate_up, limit): the activation on [gate | up] (moe/swiglu.py fuses it);
     dispatch(x, order, k): the tokens' rows in expert order (moe_combine_triton.dispatch: a read-side backward)."""
     n_tokens, k = topk_idx.shape
     n_experts, two_inter, hidden = gate_up_proj.shape

@@ -1,0 +1,6 @@
+"""The plain-PyTorch references of the mHC kernels beside them (genolong.model.mhc owns them: they
+are what the CPU runs, registered by the model)."""
+
+from genolong.model.mhc import expand_reference, mix_collapse_reference, sinkhorn
+
+__all__ = ["expand_reference", "mix_collapse_reference", "sinkhorn"]
