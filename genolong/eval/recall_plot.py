@@ -7,7 +7,7 @@
 2. recall = 1 - copy / first by distance, with bands: 1 = perfect recall, 0 = none; the
    position-matched recall 1 - copy / scrambled beside it (dash-dot).
 3. bits/base along the copy at the longest distance, offset by offset, copy vs first
-   occurrence: an induction-style model drops after the first few bases; the grey line marks
+   occurrence and vs the copy with its source scrambled: an induction-style model drops after the first few bases; the grey line marks
    `skip`, where the headline average starts.
 """
 
@@ -49,7 +49,7 @@ def plot_recall(res: RecallResults, path: Path) -> None:
         scrambled = res.loss[(role, "scrambled")]
         ax.plot(d, scrambled.value / LN2, "-.^", color=c, label=f"{label}: copy, source scrambled", markersize=4)
         ax.fill_between(d, scrambled.lo / LN2, scrambled.hi / LN2, color=c, alpha=0.08, linewidth=0)
-    ax.axhline(2.0, color="black", linewidth=0.8, linestyle="-.", label="uniform ACGT (2 bits)")
+    ax.axhline(2.0, color="grey", linewidth=0.8, label="uniform ACGT (2 bits)")
     ax.set_ylim(bottom=0)
     ax.set_title("loss on the planted copy by distance")
     ax.set_ylabel("bits per base")
@@ -82,6 +82,7 @@ def plot_recall(res: RecallResults, path: Path) -> None:
         ax.plot(offsets, copy.value[-1] / LN2, "-", color=colors[role], label=f"{label}: copy")
         ax.fill_between(offsets, copy.lo[-1] / LN2, copy.hi[-1] / LN2, color=colors[role], alpha=0.15, linewidth=0)
         ax.plot(offsets, res.offsets[(role, "first")].value[-1] / LN2, "--", color=colors[role], label=f"{label}: first occurrence")
+        ax.plot(offsets, res.offsets[(role, "scrambled")].value[-1] / LN2, "-.", color=colors[role], label=f"{label}: source scrambled")
     ax.axvline(lay.skip, color="grey", linewidth=0.8)
     ax.set_ylim(bottom=0)
     ax.set_title(f"along the copy at the longest distance ({format_length(lay.distances[-1])})")
