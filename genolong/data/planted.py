@@ -191,6 +191,37 @@ def plant_window(window: Window, distances: Sequence[int], length: int, rng: np.
     return PlantedWindow(tokens, mask, window.record, window.start, window.reverse, tuple(copies), window.tokens)
 
 
+SCRAMBLE_STREAM = 0x5C4A  # keeps the scrambling draws apart from the placement draws of the same window
+SCRAMBLE_TRIES = 100  # permutations drawn per source before accepting one that leaves it unchanged
+
+
+def scramble_sources(planted: PlantedWindow, seed: int) -> tuple[np.ndarray, int]:
+    """The planted tokens with every copy's source replaced by a shuffle of its own bases, and the
+    number of sources that no shuffle could change (a single repeated base).
+
+    The control of eval-recall: the copy keeps its place and its bases, the bases before it are
+    the same, but its earlier occurrence is gone; a shuffle keeps the source's composition, so
+    whatever the model learns from the base mix of the window is left as it was. Sources never
+    hold an N and never overlap another copy's source or copy, so nothing else changes. A pure
+    function of (seed, record, start, strand), like the placement.
+    """
+    record = int.from_bytes(hashlib.sha256(planted.record.encode()).digest()[:8], "little")
+    rng = np.random.Generator(np.random.PCG64([int(seed), record, int(planted.start), int(planted.reverse), SCRAMBLE_STREAM]))
+    out = np.array(planted.tokens, copy=True)
+    unchanged = 0
+    for c in planted.copies:
+        source = planted.tokens[c.source : c.source + c.length]
+        shuffled = source
+        # A shuffle that happens to give the source back would leave its earlier occurrence in place.
+        for _ in range(SCRAMBLE_TRIES if len(np.unique(source)) > 1 else 0):
+            shuffled = source[rng.permutation(c.length)]
+            if not np.array_equal(shuffled, source):
+                break
+        out[c.source : c.source + c.length] = shuffled
+        unchanged += bool(np.array_equal(shuffled, source))
+    return out, unchanged
+
+
 class PlantedRepeatSampler:
     """A WindowSampler whose windows carry planted copies (`finetune --planted-repeats`).
 

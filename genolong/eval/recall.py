@@ -5,12 +5,16 @@ one copy of `length` bases per requested distance d, placed by genolong.data.pla
 from (seed, window) alone, so every model sees exactly the same planted windows. A window where
 some distance finds no N-free room is skipped (and counted).
 
-Per window, per distance, per offset o in [0, length) of the copy, three losses (nats, the
+Per window, per distance, per offset o in [0, length) of the copy, four losses (nats, the
 model's probabilities renormalised over A, C, G, T as in eval-positional):
 - copy: the planted window's loss at target dest + o;
 - first: the planted window's loss at target source + o (the same bases, first occurrence);
-- null: the unplanted window's loss at target dest + o (ordinary DNA at the copy's place).
-So a model costs two forward passes per window (planted and original). The first `skip` bases
+- null: the unplanted window's loss at target dest + o (ordinary DNA at the copy's place);
+- scrambled: the planted window with every copy's source shuffled (genolong.data.planted.
+  scramble_sources) at target dest + o: the same bases at the same place after the same
+  context, less their earlier occurrence, so copy vs scrambled is what the copy gains from
+  that occurrence alone.
+So a model costs three forward passes per window (planted, original, scrambled). The first `skip` bases
 of a copy cannot be predicted by any model (nothing says a copy has started); the headline
 numbers average offsets [skip, length), the per-offset curves keep them all.
 
@@ -32,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genolong.data.planted import PlantedWindow, plant_window, window_rng
+from genolong.data.planted import PlantedWindow, plant_window, scramble_sources, window_rng
 from genolong.data.sampler import Window
 from genolong.errors import GenolongError
 from genolong.eval.positional import ModelScorer, WindowScore
@@ -41,7 +45,10 @@ from genolong.eval.store import PartialResults
 from genolong.units import format_length
 
 # Axis 1 of RecallLayout's per-window sums.
-KINDS = ("copy", "first", "null")
+KINDS = ("copy", "first", "null", "scrambled")
+# Part of the partial file's fingerprint: a change in what is scored or how the control is built
+# must refuse partial results written before it rather than mix them in.
+SCORING = "recall: copy, first, null, scrambled (sources shuffled, PCG64 stream 0x5C4A)"
 
 
 @dataclass(frozen=True)
@@ -93,12 +100,18 @@ def plant_for_eval(window: Window, layout: RecallLayout, seed: int) -> PlantedWi
     return planted if len(planted.copies) == len(layout.distances) else None
 
 
-def score_planted(scorer: ModelScorer, planted: PlantedWindow, layout: RecallLayout) -> WindowScore:
-    """sums [distances, KINDS, length] (nats) and counts [distances, length] of one planted window."""
+def score_planted(scorer: ModelScorer, planted: PlantedWindow, layout: RecallLayout, seed: int = 0) -> WindowScore:
+    """sums [distances, KINDS, length] (nats) and counts [distances, length] of one planted window;
+    `seed` picks the scrambled control's shuffles."""
     if len(planted.tokens) != layout.seq:
         raise ValueError(f"window has {len(planted.tokens)} tokens, layout expects {layout.seq}")
-    with_copies = scorer.losses(scorer.token_ids(planted.tokens)[None])[0].double().numpy()  # index j-1 = target j
-    original = scorer.losses(scorer.token_ids(planted.original)[None])[0].double().numpy()
+
+    def losses(tokens):  # index j-1 = target j
+        return scorer.losses(scorer.token_ids(tokens)[None])[0].double().numpy()
+
+    with_copies = losses(planted.tokens)
+    original = losses(planted.original)
+    scrambled = losses(scramble_sources(planted, seed)[0])
     length = layout.length
     sums = np.zeros((len(layout.distances), len(KINDS), length))
     counts = np.zeros((len(layout.distances), length), dtype=np.int64)
@@ -108,6 +121,7 @@ def score_planted(scorer: ModelScorer, planted: PlantedWindow, layout: RecallLay
         sums[i, 0] = with_copies[c.dest + offsets - 1]
         sums[i, 1] = with_copies[c.source + offsets - 1]
         sums[i, 2] = original[c.dest + offsets - 1]
+        sums[i, 3] = scrambled[c.dest + offsets - 1]
         counts[i] = 1  # planting never uses N bases, so every copy base is scored
     return WindowScore(sums=sums, counts=counts)
 
@@ -167,6 +181,8 @@ def evaluate(
         )
     fingerprint = {
         "kind": "eval-recall",
+        "scoring": SCORING,
+        "kinds": list(KINDS),
         "seq": layout.seq,
         "length": layout.length,
         "distances": list(layout.distances),
@@ -195,7 +211,7 @@ def evaluate(
                 if partial.done(role, key):
                     continue
                 t0 = time.perf_counter()
-                score = score_planted(scorer, planted, layout)
+                score = score_planted(scorer, planted, layout, settings.seed)
                 partial.append(role, key, score, seconds=time.perf_counter() - t0)
                 bar.advance(task)
             del scorer
@@ -216,6 +232,8 @@ def evaluate(
         "seed": settings.seed,
         "n_boot": settings.n_boot,
         "windows_without_room": len(tried) - len(keys),
+        # Sources of one repeated base: no shuffle changes them, so their control equals the copy.
+        "unscrambled_copies": sum(scramble_sources(p, settings.seed)[1] for p in tried if p is not None),
         "seconds_per_window": seconds,
     }
     labels = {role: s.label for role, s in specs.items()}

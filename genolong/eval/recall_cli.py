@@ -29,7 +29,7 @@ def eval_recall(
     split: Annotated[str, typer.Option(help="Split to tile (holdout: data no model was trained on).")] = "holdout",
     max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N bases.")] = 0.1,
     bootstrap: Annotated[int, typer.Option(help="Bootstrap replicates (resampling windows) for the 95% intervals.")] = 1000,
-    seed: Annotated[int, typer.Option(help="Seed of the copies' placement and of the bootstrap.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the copies' placement, of the scrambled sources and of the bootstrap.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda if available).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (default: bfloat16 on CUDA, float32 on CPU).")] = None,
     kernels: Annotated[
@@ -42,10 +42,12 @@ def eval_recall(
     """Long-range recall on planted repeats: loss on a copy of L bases vs on its first occurrence, by distance.
 
     Tiles the split into windows of --seq, plants in each one copy of --len bases per distance
-    (real DNA copied d bases later, away from N), scores every model on the planted and the
-    original window, and reports per distance bits/base on the copy, on its first occurrence and
-    on ordinary DNA at the copy's place, and the recall 1 - copy/first, with 95% bootstrap
-    intervals over windows. Resumable: rerun the same command after an interruption. See docs/recall.md.
+    (real DNA copied d bases later, away from N), scores every model on the planted window, the
+    original window and the planted window with every copy's source shuffled, and reports per
+    distance bits/base on the copy, on its first occurrence, on ordinary DNA at the copy's place
+    and on the copy with its source scrambled, and the recalls 1 - copy/first, 1 - copy/null and
+    1 - copy/scrambled, with 95% bootstrap intervals over windows. Resumable: rerun the same
+    command after an interruption. See docs/recall.md.
     """
     from genolong.data import open_prepared, tile_windows
     from genolong.eval import models

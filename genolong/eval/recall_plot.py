@@ -1,11 +1,13 @@
 """recall.png: three panels, one colour per model.
 
 1. bits/base by distance (log x): the copy (solid, 95% band), the same bases at their first
-   occurrence (dashed) and ordinary DNA at the copy's place (dotted), with the uniform 2 bits.
-   A model that uses context d bases back has its solid line far below its dashed one at d.
-2. recall = 1 - copy / first by distance, with bands: 1 = perfect recall, 0 = none.
+   occurrence (dashed), ordinary DNA at the copy's place (dotted) and the copy with its source
+   scrambled (dash-dot, triangles; band), with the uniform 2 bits. A model that uses context
+   d bases back has its solid line far below its dash-dot one at d.
+2. recall = 1 - copy / first by distance, with bands: 1 = perfect recall, 0 = none; the
+   position-matched recall 1 - copy / scrambled beside it (dash-dot).
 3. bits/base along the copy at the longest distance, offset by offset, copy vs first
-   occurrence: an induction-style model drops after the first few bases; the grey line marks
+   occurrence and vs the copy with its source scrambled: an induction-style model drops after the first few bases; the grey line marks
    `skip`, where the headline average starts.
 """
 
@@ -44,7 +46,10 @@ def plot_recall(res: RecallResults, path: Path) -> None:
         ax.fill_between(d, copy.lo / LN2, copy.hi / LN2, color=c, alpha=0.18, linewidth=0)
         ax.plot(d, res.loss[(role, "first")].value / LN2, "--s", color=c, label=f"{label}: first occurrence", markersize=3)
         ax.plot(d, res.loss[(role, "null")].value / LN2, ":", color=c, label=f"{label}: ordinary DNA (null)")
-    ax.axhline(2.0, color="black", linewidth=0.8, linestyle="-.", label="uniform ACGT (2 bits)")
+        scrambled = res.loss[(role, "scrambled")]
+        ax.plot(d, scrambled.value / LN2, "-.^", color=c, label=f"{label}: copy, source scrambled", markersize=4)
+        ax.fill_between(d, scrambled.lo / LN2, scrambled.hi / LN2, color=c, alpha=0.08, linewidth=0)
+    ax.axhline(2.0, color="grey", linewidth=0.8, label="uniform ACGT (2 bits)")
     ax.set_ylim(bottom=0)
     ax.set_title("loss on the planted copy by distance")
     ax.set_ylabel("bits per base")
@@ -53,12 +58,14 @@ def plot_recall(res: RecallResults, path: Path) -> None:
     ax.axhline(0, color="black", linewidth=0.8)
     ax.axhline(1, color="black", linewidth=0.5, linestyle=":")
     for role, label in res.labels.items():
-        r = res.recall[role]
-        ax.plot(d, r.value, "-o", color=colors[role], label=label, markersize=4)
+        r = res.recall[(role, "recall")]
+        ax.plot(d, r.value, "-o", color=colors[role], label=f"{label}: vs first occurrence", markersize=4)
         ax.fill_between(d, r.lo, r.hi, color=colors[role], alpha=0.18, linewidth=0)
-    lowest = min([float(np.nanmin(res.recall[r].lo)) for r in res.labels if np.isfinite(res.recall[r].lo).any()] or [0.0])
+        ax.plot(d, res.recall[(role, "recall_scrambled")].value, "-.^", color=colors[role], label=f"{label}: vs source scrambled", markersize=4)
+    shown = [res.recall[(r, name)].lo for r in res.labels for name in ("recall", "recall_scrambled")]
+    lowest = min([float(np.nanmin(lo)) for lo in shown if np.isfinite(lo).any()] or [0.0])
     ax.set_ylim(min(-0.1, lowest - 0.05), 1.05)
-    ax.set_title("recall = 1 - copy / first occurrence")
+    ax.set_title("recall = 1 - copy / first occurrence (or / source scrambled)")
     ax.set_ylabel("share of the first-occurrence loss removed")
 
     for ax in axes[:2]:
@@ -75,6 +82,7 @@ def plot_recall(res: RecallResults, path: Path) -> None:
         ax.plot(offsets, copy.value[-1] / LN2, "-", color=colors[role], label=f"{label}: copy")
         ax.fill_between(offsets, copy.lo[-1] / LN2, copy.hi[-1] / LN2, color=colors[role], alpha=0.15, linewidth=0)
         ax.plot(offsets, res.offsets[(role, "first")].value[-1] / LN2, "--", color=colors[role], label=f"{label}: first occurrence")
+        ax.plot(offsets, res.offsets[(role, "scrambled")].value[-1] / LN2, "-.", color=colors[role], label=f"{label}: source scrambled")
     ax.axvline(lay.skip, color="grey", linewidth=0.8)
     ax.set_ylim(bottom=0)
     ax.set_title(f"along the copy at the longest distance ({format_length(lay.distances[-1])})")

@@ -1,5 +1,6 @@
 """eval-recall's numbers and files: per model and distance, bits/base on the copy, on its first
-occurrence and on ordinary DNA (null), the recall, per-offset curves; CSV, JSON, PNG, summary.
+occurrence, on ordinary DNA (null) and on the copy with its source scrambled, three recalls,
+per-offset curves; CSV, JSON, PNG, summary.
 
 - bits/base: token-weighted mean loss over offsets [skip, length) of every copy at that
   distance, -log2 p(base) with p renormalised over A, C, G, T (genolong.eval.dnaloss, as
@@ -7,6 +8,11 @@ occurrence and on ordinary DNA (null), the recall, per-offset curves; CSV, JSON,
 - recall = 1 - copy / first: the fraction of the first-occurrence loss that the copy no longer
   costs. 1 = the model predicts the copy perfectly; 0 = it scores the copy like new DNA (it
   does not use the context d bases back); it can be slightly negative by chance.
+- recall_null = 1 - copy / null: the copy against ordinary DNA at the same positions. A model
+  that recalls by getting worse at ordinary DNA shows it here and not in `recall`.
+- recall_scrambled = 1 - copy / scrambled: the copy against itself, at the same positions after
+  the same context, with only its earlier occurrence shuffled away: the gain from that
+  occurrence alone (0 for a model that does not reach d bases back, whatever it does elsewhere).
 - Intervals: 95% percentile bootstrap over windows (genolong.eval.stats), the same draws for
   every model and quantity (paired).
 """
@@ -32,10 +38,14 @@ from genolong.eval.store import write_atomic
 from genolong.units import format_length
 
 LOW_WINDOWS = MIN_WINDOWS  # fewer windows than this: percentile intervals run narrow (said in every output)
+# Each recall is 1 - copy / (this kind's loss).
+RECALLS = {"recall": "first", "recall_null": "null", "recall_scrambled": "scrambled"}
 CSV_COLUMNS = ("model", "label", "distance", "n_windows", "n_bases") + tuple(
-    f"{q}{suffix}" for q in ("copy_bits", "first_bits", "null_bits", "recall") for suffix in ("", "_lo", "_hi")
+    f"{q}{suffix}" for q in (*(f"{k}_bits" for k in KINDS), *RECALLS) for suffix in ("", "_lo", "_hi")
 )
-OFFSET_COLUMNS = ("model", "label", "distance", "offset", "copy_bits", "copy_bits_lo", "copy_bits_hi", "first_bits", "null_bits")
+OFFSET_COLUMNS = ("model", "label", "distance", "offset", "copy_bits", "copy_bits_lo", "copy_bits_hi") + tuple(
+    f"{k}_bits" for k in KINDS[1:]
+)
 OUTPUT_FILES = ("recall.csv", "recall_offsets.csv", "recall.json", "recall.png", "summary.txt")
 
 
@@ -46,7 +56,7 @@ class RecallResults:
     labels: dict[str, str]  # role -> label, in scoring order
     n_bases: np.ndarray  # [distances]: scored copy bases (offsets >= skip) over all windows
     loss: dict[tuple[str, str], Estimate]  # (role, kind) -> nats per distance
-    recall: dict[str, Estimate]  # role -> per distance
+    recall: dict[tuple[str, str], Estimate]  # (role, name in RECALLS) -> per distance
     offsets: dict[tuple[str, str], Estimate]  # (role, kind) -> nats [distances, length]
     meta: dict[str, Any]
 
@@ -77,9 +87,11 @@ def aggregate(
         for k, kind in enumerate(KINDS):
             loss[(role, kind)] = Estimate(stats.ratio(head_s[:, :, k], head_c), stats.replicate_means(head_s[:, :, k], head_c, weights))
             offsets[(role, kind)] = Estimate(stats.ratio(sums[:, :, k], counts), stats.replicate_means(sums[:, :, k], counts, weights))
-        copy, first = loss[(role, "copy")], loss[(role, "first")]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            recall[role] = Estimate(1.0 - copy.value / first.value, 1.0 - copy.reps / first.reps)
+        copy = loss[(role, "copy")]
+        for name, kind in RECALLS.items():
+            against = loss[(role, kind)]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                recall[(role, name)] = Estimate(1.0 - copy.value / against.value, 1.0 - copy.reps / against.reps)
     return RecallResults(layout, list(windows), dict(labels), np.asarray(n_bases), loss, recall, offsets, dict(meta or {}))
 
 
@@ -105,8 +117,9 @@ def to_csv(res: RecallResults) -> str:
             row: list = [role, label, d, len(res.windows), int(res.n_bases[i])]
             for kind in KINDS:
                 row += [_fmt(v) for v in _bits(res.loss[(role, kind)], i)]
-            r = res.recall[role]
-            row += [_fmt(r.value[i]), _fmt(r.lo[i]), _fmt(r.hi[i])]
+            for name in RECALLS:
+                r = res.recall[(role, name)]
+                row += [_fmt(r.value[i]), _fmt(r.lo[i]), _fmt(r.hi[i])]
             writer.writerow(row)
     return buf.getvalue()
 
@@ -116,11 +129,11 @@ def offsets_csv(res: RecallResults) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(OFFSET_COLUMNS)
     for role, label in res.labels.items():
-        copy, first, null = (res.offsets[(role, k)] for k in KINDS)
+        copy, *others = (res.offsets[(role, k)] for k in KINDS)
         for i, d in enumerate(res.layout.distances):
             for o in range(res.layout.length):
                 at = (i, o)
-                writer.writerow([role, label, d, o, *(_fmt(v) for v in _bits(copy, at)), _fmt(first.value[at] / LN2), _fmt(null.value[at] / LN2)])
+                writer.writerow([role, label, d, o, *(_fmt(v) for v in _bits(copy, at)), *(_fmt(e.value[at] / LN2) for e in others)])
     return buf.getvalue()
 
 
@@ -136,7 +149,7 @@ def summary(res: RecallResults) -> dict[str, Any]:
         for name, i in (("shortest", 0), ("longest", len(res.layout.distances) - 1)):
             entry[name] = {
                 "distance": res.layout.distances[i],
-                "recall": _est(res.recall[role], i),
+                **{name: _est(res.recall[(role, name)], i) for name in RECALLS},
                 **{f"{k}_bits": _est(res.loss[(role, k)], i, 1 / LN2) for k in KINDS},
             }
         out[role] = entry
@@ -158,7 +171,7 @@ def to_json(res: RecallResults) -> str:
                     f"{k}_bits": [_est(res.loss[(role, k)], i, 1 / LN2) for i in range(len(lay.distances))]
                     for k in KINDS
                 },
-                "recall": [_est(res.recall[role], i) for i in range(len(lay.distances))],
+                **{name: [_est(res.recall[(role, name)], i) for i in range(len(lay.distances))] for name in RECALLS},
                 "offset_bits": {
                     k: [[_num(v / LN2) for v in res.offsets[(role, k)].value[i]] for i in range(len(lay.distances))] for k in KINDS
                 },
@@ -188,23 +201,39 @@ def summary_text(res: RecallResults) -> str:
     skipped = res.meta.get("windows_without_room")
     if skipped:
         lines.append(f"{skipped} tiled window(s) had no N-free room for every copy and were skipped")
+    unscrambled = res.meta.get("unscrambled_copies")
+    if unscrambled:
+        lines.append(f"{unscrambled} copy source(s) of a single repeated base could not be scrambled: their control equals the copy")
+    lines.append(
+        "recall = 1 - copy/first; vs scrambled = 1 - copy/scrambled (the same copy, its source shuffled: the gain from the "
+        "earlier occurrence alone); vs null = 1 - copy/null (ordinary DNA at the copy's place)"
+    )
+
+    def ratio(role, name, i):
+        r = res.recall[(role, name)]
+        return _interval(r.value[i], r.lo[i], r.hi[i], "{:+.3f}")
+
     for role, label in res.labels.items():
         lines.append(f"\n{label} ({role})")
-        lines.append(f"{'distance':>10} {'copy bits':>24} {'first bits':>10} {'null bits':>10} {'recall':>26}")
+        lines.append(
+            f"{'distance':>10} {'copy bits':>24} {'first':>6} {'null':>6} {'scram.':>6} {'recall':>24} {'vs scrambled':>24} {'vs null':>24}"
+        )
+        copy = res.loss[(role, "copy")]
         for i, d in enumerate(lay.distances):
-            copy = res.loss[(role, "copy")]
-            r = res.recall[role]
             lines.append(
                 f"{format_length(d):>10} {_interval(copy.value[i] / LN2, copy.lo[i] / LN2, copy.hi[i] / LN2):>24} "
-                f"{res.loss[(role, 'first')].value[i] / LN2:>10.3f} {res.loss[(role, 'null')].value[i] / LN2:>10.3f} "
-                f"{_interval(r.value[i], r.lo[i], r.hi[i], '{:+.3f}'):>26}"
+                + " ".join(f"{res.loss[(role, k)].value[i] / LN2:>6.3f}" for k in ("first", "null", "scrambled"))
+                + "".join(f" {ratio(role, name, i):>24}" for name in ("recall", "recall_scrambled", "recall_null"))
             )
     longest = format_length(lay.distances[-1])
-    parts = [f"{label} {_interval(res.recall[role].value[-1], res.recall[role].lo[-1], res.recall[role].hi[-1], '{:+.3f}')}" for role, label in res.labels.items()]
+    parts = [
+        f"{label} {ratio(role, 'recall', -1)}, vs scrambled {ratio(role, 'recall_scrambled', -1)}, vs null {ratio(role, 'recall_null', -1)}"
+        for role, label in res.labels.items()
+    ]
     lines.append(f"\nrecall at the longest distance ({longest}): " + "; ".join(parts))
     timing = res.meta.get("seconds_per_window") or {}
     if any(v is not None for v in timing.values()):
-        lines.append("scoring time per window (planted + original pass): " + ", ".join(f"{res.labels[r]} {v:.2f} s" for r, v in timing.items() if v is not None))
+        lines.append("scoring time per window (planted, original and scrambled passes): " + ", ".join(f"{res.labels[r]} {v:.2f} s" for r, v in timing.items() if v is not None))
     return "\n".join(lines) + "\n"
 
 

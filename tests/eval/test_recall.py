@@ -1,5 +1,6 @@
 """eval-recall: the layout's refusals, per-copy bookkeeping against a direct computation with
-stand-in models whose use of context is known, resume, and the command end to end."""
+stand-in models whose use of context is known, resume, and the command end to end (the scrambled
+control's construction and hand-computed scores: test_recall_controls.py)."""
 
 import csv
 import json
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from genolong.data import open_prepared, prepare, tile_windows
-from genolong.data.planted import window_rng
+from genolong.data.planted import scramble_sources, window_rng
 from genolong.errors import GenolongError
 from genolong.eval.recall import RecallLayout, RecallSettings, evaluate, plant_for_eval
 from genolong.eval.store import PARTIAL_NAME
@@ -117,29 +118,40 @@ def test_numbers_match_a_direct_computation(tmp_path):
     with open(tmp_path / "e" / "recall.csv") as f:
         rows = {(r["model"], int(r["distance"])): r for r in csv.DictReader(f)}
     for role, model in models.items():
-        sums = np.zeros((len(DISTANCES), 3))
+        sums = np.zeros((len(DISTANCES), 4))
         n = np.zeros(len(DISTANCES))
         for p in kept:
             with_copies, original = _direct(model, p.tokens), _direct(model, p.original)
+            scrambled = _direct(model, scramble_sources(p, 0)[0])
             for c in p.copies:
                 i = DISTANCES.index(c.distance)
                 # Target j's loss is entry j - 1; the headline takes copy offsets SKIP..LEN-1.
                 for o in range(SKIP, LEN):
                     assert p.tokens[c.dest + o] == p.tokens[c.source + o] == p.original[c.source + o]
-                    sums[i] += (with_copies[c.dest + o - 1], with_copies[c.source + o - 1], original[c.dest + o - 1])
+                    sums[i] += (with_copies[c.dest + o - 1], with_copies[c.source + o - 1], original[c.dest + o - 1], scrambled[c.dest + o - 1])
                     n[i] += 1
         bits = sums / n[:, None] / LN2
         for i, d in enumerate(DISTANCES):
             row = rows[(role, d)]
             assert int(row["n_bases"]) == n[i] == len(kept) * (LEN - SKIP)
-            got = [float(row[k]) for k in ("copy_bits", "first_bits", "null_bits")]
+            got = [float(row[k]) for k in ("copy_bits", "first_bits", "null_bits", "scrambled_bits")]
             np.testing.assert_allclose(got, bits[i], rtol=1e-5)
             assert float(row["recall"]) == pytest.approx(1 - bits[i, 0] / bits[i, 1], rel=1e-5)
+            assert float(row["recall_null"]) == pytest.approx(1 - bits[i, 0] / bits[i, 2], rel=1e-5)
+            assert float(row["recall_scrambled"]) == pytest.approx(1 - bits[i, 0] / bits[i, 3], rel=1e-5)
+            for q in ("recall", "recall_null", "recall_scrambled", "scrambled_bits"):
+                assert float(row[f"{q}_lo"]) <= float(row[q]) <= float(row[f"{q}_hi"])
             assert float(row["copy_bits_lo"]) <= float(row["copy_bits"]) <= float(row["copy_bits_hi"])
     # The stand-ins behave as designed: the induction model recalls at every distance, the
     # bigram model cannot (its copy and first-occurrence losses are the same numbers).
     assert all(float(rows[("induction", d)]["recall"]) > 0.8 for d in DISTANCES)
     assert all(abs(float(rows[("bigram", d)]["recall"])) < 1e-9 for d in DISTANCES)
+    # The scrambled control: the induction model loses its copy with the source (back to ~2 bits);
+    # the bigram model sees the same base before each copy base either way, so it scores the
+    # scrambled copy exactly as the copy: position-matched, its copying gain is exactly 0.
+    assert all(float(rows[("induction", d)]["recall_scrambled"]) > 0.8 for d in DISTANCES)
+    assert all(float(rows[("induction", d)]["scrambled_bits"]) > 1.9 for d in DISTANCES)
+    assert all(abs(float(rows[("bigram", d)]["recall_scrambled"])) < 1e-9 for d in DISTANCES)
     doc = json.loads((tmp_path / "e" / "recall.json").read_text())
     assert doc["low_window_warning"] is True and "fewer than 20 windows" in text
     offsets = np.array(doc["models"]["induction"]["offset_bits"]["copy"][-1])
@@ -175,7 +187,7 @@ def test_resume_scores_only_the_missing_windows(tmp_path):
 
         def counted(ids):
             calls["n"] += 1
-            if calls["n"] == 7:  # in window 4 (2 passes per window)
+            if calls["n"] == 10:  # in window 4 (3 passes per window)
                 raise Boom
             return losses(ids)
 
@@ -189,7 +201,7 @@ def test_resume_scores_only_the_missing_windows(tmp_path):
     assert len((tmp_path / "e" / PARTIAL_NAME).read_text().splitlines()) == 1 + 3
     calls["n"] = -100
     res = evaluate(settings, {"m": spec("m")}, lambda: iter(windows), flaky, echo=lambda _: None)
-    assert calls["n"] == -100 + 2 * 2  # windows 4 and 5 only
+    assert calls["n"] == -100 + 2 * 3  # windows 4 and 5 only
     np.testing.assert_array_equal(res.loss[("m", "copy")].value, reference.loss[("m", "copy")].value)
     other = RecallSettings(RecallLayout(seq=SEQ, length=LEN, distances=(40, 150), skip=SKIP), tmp_path / "e", progress=False)
     with pytest.raises(GenolongError, match="different evaluation"):
@@ -216,7 +228,7 @@ def test_resume_follows_the_models_content_not_its_path(tmp_path):
         return s
 
     evaluate(settings, {"m": moved}, lambda: iter(windows), counting, echo=lambda _: None)
-    assert calls["n"] == 2  # only the third window, two passes
+    assert calls["n"] == 3  # only the third window, three passes
     changed = dataclasses.replace(first, identity={"model_dir": "/runs/a/model", "fingerprint": "f2"})
     with pytest.raises(GenolongError, match="different evaluation"):
         evaluate(settings, {"m": changed}, lambda: iter(windows), counting, echo=lambda _: None)
@@ -278,6 +290,9 @@ def test_command_end_to_end(world, monkeypatch, capsys, tmp_path):
     np.testing.assert_allclose(got[0], planted[c.dest + o - 1], rtol=1e-5)
     np.testing.assert_allclose(got[1], planted[c.source + o - 1], rtol=1e-5)
     np.testing.assert_allclose(got[2], original[c.dest + o - 1], rtol=1e-5)
+    with torch.no_grad():
+        scrambled = direct(scramble_sources(p, 0)[0])
+    np.testing.assert_allclose(got[3], scrambled[c.dest + o - 1], rtol=1e-5)
     for name in ("recall.csv", "recall_offsets.csv", "recall.png", "summary.txt"):
         assert (out / name).stat().st_size > 0
     assert "recall at the longest distance (400)" in stdout
