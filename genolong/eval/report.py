@@ -320,6 +320,10 @@ def control_description(res: Results, ctx: str) -> str:
     return f"shuffled control (context beyond the last {c}-{c2} bases dinucleotide-shuffled)"
 
 
+def _share(x: float | None) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{100 * x:.2f}%"
+
+
 def summary_text(res: Results) -> str:
     s = res.summary()
     names = model_names(res)
@@ -347,6 +351,13 @@ def summary_text(res: Results) -> str:
             f"long-range part of the late change (full - {ctx}) {pct(s[f'long_range_late_{ctx}'])}",
             f"  late bucket, {ctx} minus full context, bits/base (above 0 = the real context helps): {diffs}",
         ]
+    reach = res.meta.get("reach")
+    if reach:
+        lines.append(
+            f"reach (genolong reach, k={reach['k']}): {_share(reach['late_share'])} of the late bucket's targets repeat a "
+            f"{reach['k']}-mer last seen more than {fmt_len(reach['beyond'])} back (repeats {_share(reach['late_share_repeat'])}, "
+            f"other bases {_share(reach['late_share_nonrepeat'])}): a perfect copier's ceiling for the long-range part"
+        )
     markov = res.meta.get("markov") or {}
     if markov:
         lines.append(

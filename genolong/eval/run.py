@@ -254,6 +254,7 @@ def evaluate(
         "seconds_per_window": _timing(partial, keys),
         "forward_tokens_per_window": layout.forward_tokens(),
         "markov": markov.info if markov is not None else None,
+        "reach": _reach(_limit(windows(), len(keys)), layout),
         "n_boot": settings.n_boot,
         "seed": settings.seed,
     }
@@ -292,6 +293,29 @@ def _limit(it: Iterable[Window], n: int) -> Iterator[Window]:
 
 
 OUTPUT_FILES = ("positional.csv", "positional.json", "positional.png", "summary.txt")
+
+
+REACH_K = 20
+
+
+def _reach(windows: Iterable[Window], layout) -> dict[str, Any] | None:
+    """genolong reach's count over the scored windows, at the control context: the share of late-bucket
+    targets whose last REACH_K bases last occurred only beyond C (the long-range part's ceiling)."""
+    from genolong.eval.reach import count_window, summarise
+
+    if not layout.controls:
+        return None
+    rows = [count_window(w.tokens, w.repeat_mask, [REACH_K], layout.control, layout.bucket) for w in windows]
+    if not rows:
+        return None
+    shares = summarise(rows, [REACH_K])["by_k"][str(REACH_K)]
+    return {
+        "k": REACH_K,
+        "beyond": layout.control,
+        "late_share": shares["far_share"][-1],
+        "late_share_repeat": shares["far_share_repeat"][-1],
+        "late_share_nonrepeat": shares["far_share_nonrepeat"][-1],
+    }
 
 
 def write_outputs(res: report.Results, out_dir: Path, *, labels: dict[str, str]) -> None:

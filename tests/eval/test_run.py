@@ -239,3 +239,18 @@ def test_buckets_that_are_not_whole_k_are_labelled_in_plain_numbers(tmp_path):
     assert "late (200-256)" in text and "early (0-100)" in text
     assert [_tokens(x) for x in (0, 1000, 2000, 2048, 4096, 1 << 20, 1500000)] == [
         "0", "1,000", "2,000", "2k", "4k", "1M", "1,500,000"]
+
+
+def test_the_summary_reports_the_reach_of_the_scored_windows(tmp_path):
+    """A 20-mer copied from the window's start into its late bucket, beyond C: the summary and the JSON
+    carry its share of the late bucket (what genolong reach counts for the same windows)."""
+    windows = make_windows(2, SEQ, n_run=False)
+    for w in windows:
+        w.tokens[200:240] = w.tokens[10:50]  # 190 back, beyond C = 64; targets 220..240 in the late bucket
+        w.repeat_mask[:] = False
+    res, _, text = run(tmp_path / "r", windows, layout=Layout(SEQ, 64, 64, controls=("truncated",)))
+    reach = json.loads((tmp_path / "r" / "positional.json").read_text())["meta"]["reach"]
+    late_scored = sum(int((w.tokens[1:][191:] != 4).sum()) for w in windows)  # targets 192..255
+    assert reach["k"] == 20 and reach["beyond"] == 64
+    assert reach["late_share"] == pytest.approx(2 * (240 - 220 + 1) / late_scored, abs=2 / late_scored)
+    assert "reach (genolong reach, k=20)" in text and "ceiling for the long-range part" in text
