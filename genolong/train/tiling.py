@@ -194,11 +194,16 @@ class Tiled(Recompute):
                 return super().forward(streams, *args, **kwargs)
             return self.wrapped(streams, *args, **kwargs)
         layer = self.wrapped
-        bounds = [(a, min(a + self.tile_tokens, seq)) for a in range(0, seq, self.tile_tokens)]
+        # split, not a slice per tile: one backward node assembles the input's gradient from the
+        # tiles' once, where slices would each add a whole-sequence zero-padded copy.
+        parts = streams.split(self.tile_tokens, dim=1)
+        starts = [i * self.tile_tokens for i in range(len(parts))]
+        bounds = [(a, a + p.shape[1], p) for a, p in zip(starts, parts)]
         call = LayerCall(batch=streams.shape[0], seq_len=seq)
         if layer.kind == LAYER_KDA:
-            return self._kda(layer, streams, bounds, call)
-        return self._dsa(layer, streams, bounds, call, args[0] if args else kwargs.get("topk"))
+            return self._kda(layer, bounds, call)
+        topk = args[0] if args else kwargs.get("topk")
+        return self._dsa(layer, bounds, call, None if topk is None else topk.split(self.tile_tokens, dim=1), seq)
 
     def _run(self, fn, *args):
         if self.checkpoint_tiles and torch.is_grad_enabled():
@@ -206,10 +211,10 @@ class Tiled(Recompute):
             return checkpointed(fn, *args, preserve_rng_state=self.preserve_rng_state, keep=self.keep)
         return fn(*args)
 
-    def _kda(self, layer, streams, bounds, call):
+    def _kda(self, layer, bounds, call):
         attn = layer.self_attn
         outs, tail, state = [], None, None
-        for a, b in bounds:
+        for a, b, part in bounds:
 
             def tile(part, tail=tail, state=state, scope=TileScope(call, a, b)):
                 self.tiles_run += 1
@@ -223,11 +228,11 @@ class Tiled(Recompute):
                     out = layer.mlp_half(layer.attention_half(part, mixer))
                 return out, carried["tail"], carried["state"]
 
-            out, tail, state = self._run(tile, streams[:, a:b])
+            out, tail, state = self._run(tile, part)
             outs.append(out)
         return torch.cat(outs, dim=1)
 
-    def _dsa(self, layer, streams, bounds, call, topk):
+    def _dsa(self, layer, bounds, call, topks, seq):
         attn = layer.self_attn
         indexer = attn.indexer
         switch = attn.indexer_loss if indexer is not None else None
@@ -237,7 +242,7 @@ class Tiled(Recompute):
         trains_indexer = switch is not None and torch.is_grad_enabled()
         parked = _PoolKeyGrads(None)
         latents, pools = [], []
-        for a, b in bounds:
+        for a, b, part in bounds:
 
             def keys(part, first_pool=a // kpool):
                 self.tiles_run += 1
@@ -250,7 +255,7 @@ class Tiled(Recompute):
                 with torch.no_grad():
                     return latent, indexer.pool_keys(x)
 
-            got = self._run(keys, streams[:, a:b])
+            got = self._run(keys, part)
             latents.append(got if indexer is None else got[0])
             if indexer is not None:
                 pools.append(got[1])
@@ -259,8 +264,8 @@ class Tiled(Recompute):
         parked.whole = pool_keys
 
         outs, chosen = [], []
-        for a, b in bounds:
-            piece = _tile_piece(a, b, streams.shape[1], latent, pool_keys, parked)
+        for i, (a, b, part) in enumerate(bounds):
+            piece = _tile_piece(a, b, seq, latent, pool_keys, parked)
 
             def tile(part, *given, piece=piece, scope=TileScope(call, a, b)):
                 self.tiles_run += 1
@@ -275,8 +280,8 @@ class Tiled(Recompute):
                     out = layer.mlp_half(layer.attention_half(part, mixer))
                 return (out, found[0]) if layer.emits_topk else out
 
-            given = (topk[:, a:b],) if layer.reuses_topk else ()
-            got = self._run(tile, streams[:, a:b], *given)
+            given = (topks[i],) if layer.reuses_topk else ()
+            got = self._run(tile, part, *given)
             if layer.emits_topk:
                 got, selected = got
                 chosen.append(selected)
