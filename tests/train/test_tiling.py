@@ -176,3 +176,29 @@ def test_tile_flags_and_refusals():
         apply_tiling(model, 66)
     opts = MemoryOptions(tile_tokens=128)
     assert opts.tiles_at(128) is None and opts.tiles_at(129) == 128
+
+
+def test_the_plan_counts_one_tile_of_working_set_and_auto_picks_a_tile_that_fits():
+    from genolong.train.plan import GIB, H200_BYTES, estimate_memory, preflight
+
+    config = get_preset("glm53-mini")
+    seq = 1 << 20
+
+    def working(tile):
+        est = estimate_memory(config, seq, MemoryOptions(tile_tokens=tile, keep_sparse="off"), 1, H200_BYTES)
+        return next(v for k, v in est.gpu.items() if k.startswith("layer working set")), est
+
+    whole, _ = working(None)
+    half, _ = working(1 << 16)
+    full, est = working(1 << 17)
+    # the per-token items scale with the tile; the two whole-sequence stream gradients do not
+    streams = 2 * 4 * config.hidden * 2 * seq
+    assert whole > 4 * full
+    assert (full - streams) / (half - streams) == pytest.approx(2, rel=0.1)
+    assert est.gpu["dsa whole-sequence keys (tiling)"] == pytest.approx(len(config.dsa_layers) * seq * 2 * (512 + 128 / 4), rel=1e-6)
+    opts = MemoryOptions(tile_auto=True)
+    est = preflight(config, seq, opts, 1, H200_BYTES, host_bytes=128 * GIB)
+    assert est.fits and opts.tile_tokens == est.opts.tile_tokens and opts.tile_tokens < seq
+    assert opts.keep_sparse == "off"  # the kept DSA results (66 GiB pinned at 1M) do not fit beside the inputs
+    with pytest.raises(GenolongError, match="does not fit|short"):
+        preflight(config, seq, MemoryOptions(), 1, H200_BYTES, host_bytes=128 * GIB)
