@@ -63,6 +63,7 @@ import torch
 from genolong.errors import GenolongError
 from genolong.model import ops
 from genolong.model.config import LAYER_KDA
+from genolong.model.indexer_loss import DENSE
 from genolong.model.piece import SequencePiece
 from genolong.train.recompute import Recompute, checkpointed, decoder_body
 from genolong.train.wrapper import wrap
@@ -236,7 +237,7 @@ class Tiled(Recompute):
         attn = layer.self_attn
         indexer = attn.indexer
         switch = attn.indexer_loss if indexer is not None else None
-        if switch is not None and switch.mode == "dense":
+        if switch is not None and switch.mode == DENSE:
             raise GenolongError("the dense indexer warm-up runs on whole sequences: train it with --tile off (or the sparse indexer loss)")
         kpool = self.kpool
         trains_indexer = switch is not None and torch.is_grad_enabled()

@@ -111,9 +111,13 @@ def test_shared_topk_layers_and_offload_with_kept_results():
     handle = apply_memory_optimizations(tiled, MemoryOptions(offload_layers=5, keep_sparse="device", tile_tokens=64))
     _assert_same(_step(plain), _step(tiled))
     stats = handle.offloader.stats
-    # the offloaded layers' input slices went to the (pageable, on the CPU) host pool and came back
-    assert stats.layers == set(range(5)) and stats.unpacked == stats.packed > 0
+    # the offloaded layers' input slices went to the (pageable, on the CPU) host pool and came back:
+    # two slices of 64 tokens a layer (the 22-token last one is under the offloader's minimum size),
+    # the DSA layer 3's copied once though both its tile chains save them, and unpacked by both
+    assert stats.layers == set(range(5)) and stats.packed == 2 * 5 and stats.unpacked == stats.packed + 2
     assert handle.pinned_bytes() == 0
+    # the recompute of each query tile took its selection and attention from the tile's forward
+    assert handle.keep.stats.replayed == handle.keep.stats.recorded > 0 and handle.keep.stats.rerun == 0
 
 
 def test_a_sequence_of_one_tile_runs_the_whole_layer(base):
@@ -176,6 +180,10 @@ def test_tile_flags_and_refusals():
         apply_tiling(model, 66)
     opts = MemoryOptions(tile_tokens=128)
     assert opts.tiles_at(128) is None and opts.tiles_at(129) == 128
+    apply_tiling(model, 64)
+    model.model.layers[3].self_attn.indexer_loss = IndexerLossSwitch("dense", 1.0)
+    with torch.no_grad(), pytest.raises(GenolongError, match="dense indexer warm-up runs on whole sequences"):
+        model(torch.zeros(1, T, dtype=torch.long))
 
 
 def test_the_plan_counts_one_tile_of_working_set_and_auto_picks_a_tile_that_fits():
@@ -202,3 +210,19 @@ def test_the_plan_counts_one_tile_of_working_set_and_auto_picks_a_tile_that_fits
     assert opts.keep_sparse == "off"  # the kept DSA results (66 GiB pinned at 1M) do not fit beside the inputs
     with pytest.raises(GenolongError, match="does not fit|short"):
         preflight(config, seq, MemoryOptions(), 1, H200_BYTES, host_bytes=128 * GIB)
+
+
+def test_the_recall_probe_measures_the_queries_of_every_tile(base):
+    from genolong.model.indexer_recall import RecallProbe
+
+    values = {}
+    for tile in (None, 48):
+        model = copy.deepcopy(base)
+        apply_memory_optimizations(model, MemoryOptions(offload=False, keep_sparse="off", moe_chunking=False, tile_tokens=tile))
+        probes = {}
+        for m in model.modules():
+            if type(m).__name__ == "DSAAttention" and m.indexer is not None:
+                m.recall_probe = probes[m.layer_idx] = RecallProbe(64)
+        _step(model, indexer_loss=False, aux=0.0)
+        values[tile] = {i: p.values[i] for i, p in probes.items()}
+    assert values[None] and values[48] == pytest.approx(values[None], rel=1e-5)
