@@ -48,7 +48,7 @@ from genolong.train.keep_moe import kept_moe_output
 from genolong.train.offload import HostOffloader, Offload, OffloadStats
 from genolong.train.options import MemoryOptions
 from genolong.train.recompute import Recompute, apply_recompute, checkpointed, decoder_body
-from genolong.train.tiling import apply_tiling
+from genolong.train.tiling import Tiled, apply_tiling
 from genolong.train.wrapper import ModuleWrapper, unwrap, wrap
 
 
@@ -131,11 +131,17 @@ class MemoryHandle:
         if self.keep is not None:
             self.keep.reset_stats()
 
+    def tile_tokens(self) -> int | None:
+        """The tile length of the layers (genolong.train.tiling), None for whole layers."""
+        tiled = [w.tile_tokens for w in self.recompute if isinstance(w, Tiled)]
+        return tiled[0] if tiled else None
+
     def describe(self) -> dict:
         return {
             "recompute": bool(self.recompute),
             "offload_layers": self.offload_layers(),
-            "moe_chunk_tokens": self.opts.moe_chunk_tokens if self.opts.moe_chunking else None,
+            "moe_chunk_tokens": self.opts.moe_chunk_tokens if self.opts.moe_chunking and self.tile_tokens() is None else None,
+            "tile_tokens": self.tile_tokens(),
             "mhc_fp32_input": not self.opts.mhc_low_precision,
             "pinned": self.opts.offload_pinned,
             "overlap": self.opts.offload_overlap,

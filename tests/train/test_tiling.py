@@ -87,6 +87,7 @@ def test_tiled_equals_untiled_under_recompute(base, untiled, tile):
     assert all(isinstance(w, Tiled) for w in handle.recompute)
     assert "Tiled(" in repr(model) and f"tile_tokens={tile}, each tile checkpointed" in repr(model)
     assert "ChunkedMoE" not in repr(model)
+    assert handle.describe()["tile_tokens"] == tile and handle.describe()["moe_chunk_tokens"] is None
     _assert_same(untiled, _step(model))
     tiles = -(-T // tile)
     # per layer: each tile's function in the forward and again in backward; a DSA layer runs two chains
