@@ -34,7 +34,8 @@ the pooled indexer keys and the kv latent, which are small (1M x 512 latent: 1 G
   the tile in force is published (`current_tile()`), the balancer accumulates counts per sequence
   over the layer's tiles and applies them in backward (genolong/train/balance.py).
 - MoE chunking is off under tiling (a tile's MoE runs whole: the tile bounds it), and so is
-  `--keep-moe` (it keeps a chunked MoE's output).
+  `--keep-moe` (it keeps a chunked MoE's output). The recall probe averages over every tile's
+  sampled queries; the dense indexer warm-up (whole sequences, under no_grad) is refused.
 
 Why one checkpoint per tile and no layer checkpoint around them: inside a recomputed layer, a
 plain tile loop would save every tile's intermediates during the recompute (the whole working set
@@ -44,13 +45,13 @@ backward), as under full recompute, and what the layer keeps between forward and
 its input (as the tiles' input slices: the `Offload` hooks move them to host memory tile by tile)
 plus the small carried tensors and whole-sequence keys. During backward one tile's working set is
 alive at a time. The cost: a DSA layer's mHC collapse and norm run once more per tile (the keys
-chain), and a DSA layer's input slices are saved twice (both chains read them).
+chain), and both its chains save its input slices (the `Offload` hooks copy each to the host once).
 
-Numerics: every step is the untiled layer's math on a subset of tokens, except the KDA
-recurrence's chunk boundaries (the reference's chunk of 16 and fla's 64 restart at each tile:
-the state between chunks is the same quantity, so tiled equals untiled up to rounding) and the
-short conv's left context (the carried inputs instead of zeros). tests/train/test_tiling.py checks
-loss and every gradient in fp32.
+Numerics: every step is the untiled layer's math on a subset of tokens (the short conv reads the
+carried inputs where the untiled one reads the same previous tokens), except that the KDA
+recurrence's chunks (16 tokens in the reference, 64 in fla) restart at each tile: the state at a
+chunk boundary is the same quantity either way, so tiled equals untiled up to rounding.
+tests/train/test_tiling.py checks loss and every gradient in fp32.
 """
 
 from __future__ import annotations
