@@ -67,9 +67,12 @@ class RecallProbe:
     def __init__(self, n_queries: int = 256) -> None:
         self.n_queries = n_queries
         self.values: dict[int, float] = {}
+        # Pieces (context shards, sequence tiles) measured per layer: (recall sum, count), offsets seen.
+        self._sums: dict[int, list[float]] = {}
+        self._seen: set[tuple[int, int]] = set()
 
     def measure(self, layer_idx: int, q, kv, indices, *, scale: float, width: int, piece=None) -> None:
-        if layer_idx in self.values:
+        if piece is None and layer_idx in self.values or piece is not None and (layer_idx, piece.offset) in self._seen:
             return
         if piece is None:
             positions = sample_queries(q.shape[1], width, self.n_queries, device=q.device)
@@ -84,4 +87,11 @@ class RecallProbe:
             recall = selection_recall(q, kv, indices, positions, scale=scale, query_offset=piece.offset)
             total[0], total[1] = recall.double().sum(), recall.numel()
         total = piece.total(total)
-        self.values[layer_idx] = float(total[0] / total[1])
+        # A sequence tile (genolong/train/tiling.py) is one of several pieces this process measures:
+        # the layer's value is the mean over every piece seen so far (a recompute's repeat is skipped).
+        self._seen.add((layer_idx, piece.offset))
+        sums = self._sums.setdefault(layer_idx, [0.0, 0.0])
+        sums[0] += float(total[0])
+        sums[1] += float(total[1])
+        if sums[1]:
+            self.values[layer_idx] = sums[0] / sums[1]

@@ -42,15 +42,35 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(hidden, config.mhc, eps, layer_idx)
 
     def forward(self, streams: torch.Tensor, topk: torch.Tensor | None = None):
-        post, comb, x = self.attn_hc(streams)
-        x = self.input_layernorm(x)
         if self.kind == LAYER_KDA:
-            x = self.self_attn(x)
+            streams = self.attention_half(streams, self.self_attn)
         else:
-            x, topk = self.self_attn(x, topk if self.reuses_topk else None)
-        streams = self.attn_hc.expand(post, comb, x, streams)
+            found = []
 
+            def mixer(x):
+                out, chosen = self.self_attn(x, topk if self.reuses_topk else None)
+                found.append(chosen)
+                return out
+
+            streams = self.attention_half(streams, mixer)
+            topk = found[0]
+        streams = self.mlp_half(streams)
+        return (streams, topk) if self.emits_topk else streams
+
+    # The two halves, separate so that sequence tiling (genolong/train/tiling.py) can run a tile of
+    # the layer with its own mixer call (the KDA state carried in, the DSA keys of the whole sequence).
+
+    def attention_half(self, streams: torch.Tensor, mixer) -> torch.Tensor:
+        """The streams after mHC around `mixer` (a function of the normed collapsed input [B, T, hidden])."""
+        post, comb, x = self.attn_hc(streams)
+        return self.attn_hc.expand(post, comb, mixer(self.input_layernorm(x)), streams)
+
+    def mixer_input(self, streams: torch.Tensor) -> torch.Tensor:
+        """What the sequence mixer reads: the collapsed, normed streams [B, T, hidden]."""
+        return self.input_layernorm(self.attn_hc(streams)[2])
+
+    def mlp_half(self, streams: torch.Tensor) -> torch.Tensor:
+        """The streams after mHC around the MLP / MoE (per token)."""
         post, comb, x = self.ffn_hc(streams)
         x = self.mlp(self.post_attention_layernorm(x))
-        streams = self.ffn_hc.expand(post, comb, x, streams)
-        return (streams, topk) if self.emits_topk else streams
+        return self.ffn_hc.expand(post, comb, x, streams)

@@ -23,6 +23,9 @@ aux-loss graph (checkpoint needs the recomputation to save what the forward save
 count. Expert loads are reported per MoE layer as max / mean and min / mean tokens per expert;
 the MoE has no capacity limit, so no token is ever dropped and there is nothing else to report.
 
+Sequence tiling (genolong/train/tiling.py): the router sees one tile of every sequence at a time;
+the loss is still each whole sequence's (`_tile_aux`), its counts gathered over the tiles.
+
 Data parallelism: `update(reduce=...)` takes a function that sums the stacked counts over the
 replicas (e.g. an all-reduce) so that every replica applies the same bias change.
 """
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from genolong.errors import GenolongError
+from genolong.train.tiling import current_tile
 
 
 @dataclass
@@ -63,6 +67,21 @@ class _AuxLossGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_w: torch.Tensor):
         return grad_w, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+class _TiledBalanceLoss(torch.autograd.Function):
+    """scale * sum(counts * affinity) for a tile's summed affinities [B, E], whose gradient reads
+    `counts` [B, E] (the sequences' whole routing counts) when backward runs: by then every tile of
+    the layer's forward has added its tokens (a plain product would save the counts half-filled)."""
+
+    @staticmethod
+    def forward(ctx, affinity: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.counts, ctx.scale = counts, scale
+        return scale * (counts.float() * affinity).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale * ctx.counts.float(), None, None
 
 
 def sequence_balance_loss(
@@ -139,6 +158,9 @@ class ExpertBalancer:
             return None
         x = inputs[0]
         scores = torch.sigmoid(torch.nn.functional.linear(x.float(), router.weight.float()))
+        tile = current_tile()
+        if tile is not None:
+            return topk_idx, _AuxLossGradient.apply(topk_w, self._tile_aux(layer_idx, router, tile, scores, topk_idx, replay))
         n = x.shape[0]
         segment = min(self._sequence_tokens or n, n)
         # The call holds n of the step's tokens: its share of the step's token-weighted mean.
@@ -147,6 +169,27 @@ class ExpertBalancer:
         if not replay:
             self._aux_parts.append(aux.detach())
         return topk_idx, _AuxLossGradient.apply(topk_w, aux)
+
+    def _tile_aux(self, layer_idx: int, router, tile, scores: torch.Tensor, topk_idx: torch.Tensor, replay: bool):
+        """The balance loss of one sequence tile (genolong/train/tiling.py), exact for the whole
+        sequences: the loss is coeff / step_tokens * sum over sequences s and experts i of
+        f_si * (sum over s's tokens of the normalised affinity), with f_si from s's *whole* routing
+        counts. The tiles' counts accumulate in the layer call's state during the forward; the
+        gradient, taken in backward, reads them complete; the logged value is summed at finish_step."""
+        batch, seq = tile.call.batch, tile.call.seq_len
+        num_experts, k = router.cfg.num_experts, topk_idx.shape[-1]
+        counts = tile.call.counts.get(layer_idx)
+        if counts is None:
+            counts = tile.call.counts[layer_idx] = torch.zeros(batch, num_experts, dtype=torch.int64, device=scores.device)
+        if not replay:
+            flat = topk_idx.reshape(batch, -1)
+            counts.scatter_add_(1, flat, torch.ones_like(flat))
+        affinity = (scores / scores.sum(dim=-1, keepdim=True)).view(batch, -1, num_experts).sum(dim=1)
+        scale = self.aux_loss_coeff * num_experts / (k * seq * (self._step_tokens or batch * seq))
+        if not replay:
+            summed = affinity.detach()
+            self._aux_parts.append(lambda: scale * (counts.float() * summed).sum())
+        return _TiledBalanceLoss.apply(affinity, counts, scale)
 
     @torch.no_grad()
     def finish_step(self, update_bias: bool = True, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> BalanceStats | None:
@@ -166,7 +209,8 @@ class ExpertBalancer:
         ratio = (loads / mean.clamp_min(1e-12)).cpu()
         aux = None
         if self.aux_loss_coeff > 0:
-            mine = torch.stack(self._aux_parts).sum().reshape(1) if self._aux_parts else torch.zeros(1)
+            parts = [p() if callable(p) else p for p in self._aux_parts]
+            mine = torch.stack(parts).sum().reshape(1) if parts else torch.zeros(1)
             # Each rank holds its own sequences' share of the step's loss: the step's is their sum.
             aux = float(reduce(mine.to(loads.device, torch.float32)) if reduce is not None else mine)
         return BalanceStats(

@@ -95,6 +95,12 @@ def finetune(
     overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Offload copies on their own streams.", rich_help_panel=_MEM)] = True,
     moe_chunking: Annotated[bool, typer.Option("--moe-chunking/--no-moe-chunking", help="MoE in sequence chunks.", rich_help_panel=_MEM)] = True,
     moe_chunk: Annotated[str, typer.Option(help="Tokens per MoE chunk.", rich_help_panel=_MEM)] = "64k",
+    tile: Annotated[
+        str,
+        typer.Option(help="Each layer runs the sequence in checkpointed tiles of this many tokens (KDA state carried, DSA "
+                          "queries against the whole keys; the MoE per tile, unchunked). auto: on CUDA, the longest tile that "
+                          "makes the plan fit when whole layers do not; off: whole layers.", rich_help_panel=_MEM),
+    ] = "auto",
     keep_moe: Annotated[
         bool,
         typer.Option("--keep-moe/--no-keep-moe", help="Under recompute, keep each chunked MoE's output from the forward: two MoE "

@@ -17,7 +17,8 @@ then recompute and offload (they wrap whole layers):
   keeps one (genolong.model.mhc applies the fp32 RMS statistic to the 24 logits instead); this
   switch puts it back so the ablation can measure what it costs (the compile pass leaves it eager).
 - recompute: `Recompute(DecoderLayer)` (genolong.train.recompute): whole layers under a
-  non-reentrant checkpoint.
+  non-reentrant checkpoint; with `tile_tokens`, `Tiled(DecoderLayer)` (genolong.train.tiling)
+  instead: each layer in checkpointed sequence tiles (and the MoE is not chunked: a tile bounds it).
 - offload: `Offload(Recompute(...))` (genolong.train.offload): the checkpointed input goes to a
   HostOffloader's host pool. `offload_layers=None` decides per sequence length, at the first
   layer of a forward: the fewest layers that make the plan (genolong.train.plan) fit the GPU
@@ -47,6 +48,7 @@ from genolong.train.keep_moe import kept_moe_output
 from genolong.train.offload import HostOffloader, Offload, OffloadStats
 from genolong.train.options import MemoryOptions
 from genolong.train.recompute import Recompute, apply_recompute, checkpointed, decoder_body
+from genolong.train.tiling import Tiled, apply_tiling
 from genolong.train.wrapper import ModuleWrapper, unwrap, wrap
 
 
@@ -129,11 +131,17 @@ class MemoryHandle:
         if self.keep is not None:
             self.keep.reset_stats()
 
+    def tile_tokens(self) -> int | None:
+        """The tile length of the layers (genolong.train.tiling), None for whole layers."""
+        tiled = [w.tile_tokens for w in self.recompute if isinstance(w, Tiled)]
+        return tiled[0] if tiled else None
+
     def describe(self) -> dict:
         return {
             "recompute": bool(self.recompute),
             "offload_layers": self.offload_layers(),
-            "moe_chunk_tokens": self.opts.moe_chunk_tokens if self.opts.moe_chunking else None,
+            "moe_chunk_tokens": self.opts.moe_chunk_tokens if self.opts.moe_chunking and self.tile_tokens() is None else None,
+            "tile_tokens": self.tile_tokens(),
             "mhc_fp32_input": not self.opts.mhc_low_precision,
             "pinned": self.opts.offload_pinned,
             "overlap": self.opts.offload_overlap,
@@ -155,12 +163,13 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
     """Switch on what `opts` asks for (module docstring); returns the handle that undoes it."""
     opts.validate()
     handle = MemoryHandle(model, opts)
-    if opts.moe_chunking:
+    tiled = opts.recompute and opts.tile_tokens is not None
+    if opts.moe_chunking and not tiled:  # (under tiling a tile's MoE runs whole: the tile bounds it)
         _wrap_all(model, _moe_class(), ChunkedMoE, chunk_tokens=opts.moe_chunk_tokens)
     if not opts.mhc_low_precision:
         _wrap_all(model, _hyper_connection_class(), Fp32InputMHC)
     if opts.recompute:
-        handle.recompute = apply_recompute(model)
+        handle.recompute = apply_tiling(model, opts.tile_tokens) if tiled else apply_recompute(model)
         if opts.offload:
             _apply_offload(handle, model, opts)
         where = opts.kept_where() or opts.kept_moe_where()

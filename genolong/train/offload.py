@@ -139,8 +139,12 @@ class HostOffloader:
         """Saved-tensor hooks for one layer's checkpoint call (also for layers that keep their
         input on the device: their unpack is what starts the prefetch of the next offloaded one)."""
         offload = self.offloads(layer_idx)
+        # A tensor saved twice in one layer call (a tiled DSA layer's two tile chains both save each
+        # input slice, genolong.train.tiling) is copied once; the layer input stays alive for the whole
+        # call, so its memory cannot be reused by another tensor of the same place and shape meanwhile.
+        seen: dict[tuple, weakref.ReferenceType] = {}
         return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self._pack(t, layer_idx, offload), self._unpack
+            lambda t: self._pack(t, layer_idx, offload, seen=seen), self._unpack
         )
 
     def pinned_bytes(self) -> int:
@@ -189,7 +193,16 @@ class HostOffloader:
 
     # -- pack / unpack ----------------------------------------------------------------------------
 
-    def _pack(self, t: torch.Tensor, layer_idx: int, offload: bool, chained: bool = True):
+    def _pack(self, t: torch.Tensor, layer_idx: int, offload: bool, chained: bool = True, seen: dict | None = None):
+        key = (t.data_ptr(), t.device, tuple(t.shape), t.stride(), t.dtype, t._version) if seen is not None and t.numel() else None
+        if key is not None and key in seen and seen[key]() is not None:
+            return seen[key]()
+        entry = self._pack_new(t, layer_idx, offload, chained)
+        if key is not None and isinstance(entry, _Saved):
+            seen[key] = weakref.ref(entry)
+        return entry
+
+    def _pack_new(self, t: torch.Tensor, layer_idx: int, offload: bool, chained: bool):
         order = self._order
         self._order += 1
         nbytes = t.numel() * t.element_size()

@@ -25,7 +25,7 @@ LAUNCHERS = ("local", "ray")
 KEEP_CHOICES = ("auto", "host", "device", "off")
 # The memory flags `finetune` and `plan` share, by their parameter names in both commands (MemoryOptions.from_params).
 MEMORY_PARAMS = ("baseline", "recompute", "offload", "moe_chunk", "loss_chunk", "offload_layers", "gpu_budget_gib", "host_budget_gib",
-                 "pinned", "overlap", "keep_sparse", "moe_chunking", "keep_moe", "mhc_low_precision", "chunked_loss")
+                 "pinned", "overlap", "keep_sparse", "moe_chunking", "keep_moe", "mhc_low_precision", "chunked_loss", "tile")
 
 
 @dataclass
@@ -47,6 +47,10 @@ class MemoryOptions:
       +21 GiB pinned at 512k, where it has not run).
     mhc_low_precision: mHC mixing projection without an fp32 copy of its input.
     chunked_loss: LM head + loss in chunks of `loss_chunk_tokens` (no [T, vocab] logits).
+    tile_tokens: under recompute, every layer runs the sequence in checkpointed tiles of this many
+      tokens (genolong.train.tiling; its MoE per tile, so MoE chunking and keep_moe do not apply);
+      None = whole layers. tile_auto: the CUDA pre-flight picks tile_tokens when the untiled plan
+      does not fit (`--tile auto`).
     gpu_budget_gib / host_budget_gib: the pre-flight's limits; None = the device's / machine's.
     """
 
@@ -62,6 +66,8 @@ class MemoryOptions:
     mhc_low_precision: bool = True
     chunked_loss: bool = True
     loss_chunk_tokens: int | None = None  # None = ~1 GiB of fp32 logits per chunk (loss.auto_chunk_tokens)
+    tile_tokens: int | None = None
+    tile_auto: bool = False
     gpu_budget_gib: float | None = None
     host_budget_gib: float | None = None
 
@@ -84,7 +90,7 @@ class MemoryOptions:
     @classmethod
     def from_flags(cls, baseline: bool, *, recompute: bool, offload: bool, moe_chunk: str, loss_chunk: str | None,
                    offload_layers: int | None, gpu_budget_gib: float | None, host_budget_gib: float | None,
-                   **switches: Any) -> MemoryOptions:
+                   tile: str = "off", **switches: Any) -> MemoryOptions:
         """The options `finetune` and `plan` build from their shared memory flags.
 
         --baseline turns every switch off and keeps only the sizes and budgets; otherwise
@@ -99,7 +105,9 @@ class MemoryOptions:
         }
         if baseline:
             return cls.baseline(**sizes).validate()
-        return cls(recompute=recompute, offload=offload and recompute, **switches, **sizes).validate()
+        tile_tokens, tile_auto = parse_tile(tile)
+        return cls(recompute=recompute, offload=offload and recompute, tile_tokens=tile_tokens, tile_auto=tile_auto and recompute,
+                   **switches, **sizes).validate()
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], **overrides: Any) -> MemoryOptions:
@@ -125,6 +133,13 @@ class MemoryOptions:
             raise GenolongError("--keep-sparse host parks results in the offload's pinned host pool: add --offload or use --keep-sparse device / off")
         if self.keep_moe and not (self.recompute and self.moe_chunking):
             raise GenolongError("--keep-moe keeps the MoE output for the layers' recompute of its chunks: it needs recompute and --moe-chunking; drop --keep-moe")
+        if self.tile_tokens is not None:
+            if self.tile_tokens <= 0:
+                raise GenolongError(f"--tile must be a positive number of tokens, auto or off, got {self.tile_tokens}")
+            if not self.recompute:
+                raise GenolongError("--tile runs each layer in checkpointed tiles, which is how it recomputes: drop --no-recompute or use --tile off")
+            if self.keep_moe:
+                raise GenolongError("--keep-moe keeps a chunked MoE's output, and under --tile the MoE runs per tile, unchunked: drop --keep-moe or use --tile off")
         if self.offload_layers is not None and self.offload_layers < 0:
             raise GenolongError(f"--offload-layers must be >= 0, got {self.offload_layers}")
         for flag, value in (("--moe-chunk", self.moe_chunk_tokens), ("--loss-chunk", self.loss_chunk_tokens)):
@@ -145,6 +160,12 @@ class MemoryOptions:
             )
         return self
 
+    def tiles_at(self, tokens: int) -> int | None:
+        """The tile length layers run in at `tokens` tokens per sequence, or None (whole layers)."""
+        if self.recompute and self.tile_tokens is not None and tokens > self.tile_tokens:
+            return self.tile_tokens
+        return None
+
     def keeps_moe(self) -> bool:
         """Whether the chunked MoE layers' outputs are kept for the recompute (genolong.train.keep_moe)."""
         return self.keep_moe and self.recompute and self.moe_chunking
@@ -163,6 +184,16 @@ class MemoryOptions:
         if self.keep_sparse == "auto":
             return "host" if self.offload else "device"
         return self.keep_sparse
+
+
+def parse_tile(value: str | int | None) -> tuple[int | None, bool]:
+    """--tile: a length ("128k"), "auto" (the pre-flight picks one when whole layers do not fit) or
+    "off" -> (tile_tokens, tile_auto)."""
+    if value is None or value == "off":
+        return None, False
+    if value == "auto":
+        return None, True
+    return parse_length(value, "--tile"), False
 
 
 @dataclass

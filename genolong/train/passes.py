@@ -10,8 +10,8 @@ modules so that print(model) shows it, and none changes a state-dict key or a pa
                      their TensorParallel* / ExpertParallel* subclasses)
 3. context parallel  genolong.parallel.context.apply_context_parallel (the sequence mixers)
 4. MoE chunking      ChunkedMoE(MoE); the mHC fp32-input ablation Fp32InputMHC(HyperConnection)
-5. recompute,        Recompute(DecoderLayer), Offload(Recompute(...)) (genolong.train.memory)
-   offload
+5. recompute,        Recompute(DecoderLayer), Offload(Recompute(...)) (genolong.train.memory); with --tile,
+   offload           Tiled(DecoderLayer) (genolong.train.tiling: the layer in checkpointed sequence tiles)
 6. compile           Compiled* subclasses of the small-op modules (genolong.train.compile)
 7. gradient sync     genolong.parallel.grad_sync.GradientSync over the mesh's gradient groups
 

@@ -34,6 +34,7 @@ same RAM, so the CPU plan counts them as kept. `shortfall` names the resource th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -406,10 +407,13 @@ def estimate_memory(
     fp32_hc = not opts.mhc_low_precision
     moe_chunked = moe_chunks_checkpointed(tokens, opts)
     moe_routed = _moe(config, a)["moe routed"] if config.moe_layers else 0
+    # Sequence tiling (genolong.train.tiling; one GPU): a layer's working set is one tile's.
+    tile = opts.tiles_at(tokens) if setup.world == 1 else None
+    work_tokens = tile or tokens
     items = []
     for i in range(layers):
         per_token = layer_saved_items(config, i, a, moe_chunked, mhc_fp32_input=fp32_hc)
-        layer = {k: v * tokens for k, v in per_token.items()}
+        layer = {k: v * work_tokens for k, v in per_token.items()}
         layer.update(layer_parallel_items(config, i, setup, t, a, moe_chunked, moe_routed))
         items.append(layer)
     per_layer = [sum(it.values()) for it in items]
@@ -417,24 +421,31 @@ def estimate_memory(
     # and the largest single gradient the layer creates (its biggest saved activation's size).
     biggest = [max(it.values()) for it in items]
 
-    transients = _transients(config, t, opts, a, setup)
+    transients = _transients(config, t if tile is None else dataclasses.replace(t, shard=tile, seq=tile), opts, a, setup)
     # The MoE chunk's activations exist only while its chunk is recomputed; the rest are
     # kernel workspaces that come and go inside one op.
     transient_name = max(transients, key=transients.get)
 
     loss_items = _loss_head(config, t, opts, a)
     # (over the cp shard: a tp rank attends with its heads for every token of the shard)
-    kept_gpu = _kept_results(config, t.shard, opts, a, host, setup.layout.tp, t.seq)
+    kept_gpu = _kept_results(config, t.shard, opts, a, host, setup.layout.tp, t.seq, in_flight_tokens=tile)
+    tiled_gpu = _tiling_items(config, tokens, tile, a) if tile else {}
 
     if opts.recompute:
         if offload_layers is None:
             offload_layers = opts.offload_layers if opts.offload else 0
-        fixed = sum(gpu.values()) + transients[transient_name] + sum(loss_items.values()) + sum(kept_gpu.values())
-        working = [per_layer[i] + biggest[i] + 2 * stream_bytes for i in range(layers)]
+        fixed = sum(gpu.values()) + transients[transient_name] + sum(loss_items.values()) + sum(kept_gpu.values()) + sum(tiled_gpu.values())
+        # The streams' gradient coming in and going out are whole-sequence tensors even under tiling
+        # (a tiled layer's input gradient is assembled from its tiles'); a tiled DSA layer also
+        # accumulates its whole latent's gradient over the query tiles.
+        keys_grad = [2 * a * config.dsa.kv_lora_rank * tokens if tile and config.layer_types[i] == LAYER_DSA else 0 for i in range(layers)]
+        working = [per_layer[i] + biggest[i] + 2 * stream_bytes + keys_grad[i] for i in range(layers)]
+        # An offloaded tiled layer's input comes back tile by tile (its own and the next prefetched).
+        upload = stored_input_bytes_per_token(config, a) * tile if tile else None
         if offload_layers is None:  # offload on, count from the budget
-            offload_layers = offload_layers_needed(fixed, stream_bytes, working, gpu_budget, overlap=opts.offload_overlap)
+            offload_layers = offload_layers_needed(fixed, stream_bytes, working, gpu_budget, overlap=opts.offload_overlap, upload_bytes=upload)
         offload_layers = min(offload_layers, layers) if opts.offload else 0
-        stored, prefetch, at = recompute_peak(stream_bytes, working, offload_layers, opts.offload_overlap)
+        stored, prefetch, at = recompute_peak(stream_bytes, working, offload_layers, opts.offload_overlap, upload_bytes=upload)
         gpu["stored layer inputs"] = stored
         if prefetch:
             gpu["uploaded layer inputs"] = prefetch
@@ -447,6 +458,7 @@ def estimate_memory(
     gpu.update(loss_items)
     gpu[f"largest transient ({transient_name})"] = transients[transient_name]
     gpu.update(kept_gpu)
+    gpu.update(tiled_gpu)
 
     offloaded = {"offloaded layer inputs (pinned)" if opts.offload_pinned else "offloaded layer inputs (pageable)": offload_layers * stream_bytes}
     return MemoryEstimate(
@@ -495,10 +507,25 @@ def estimate_cpu_memory(
     return est
 
 
-def _kept_results(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int, host: dict[str, int], tp: int, moe_tokens: int) -> dict[str, int]:
+def _tiling_items(config: ModelConfig, tokens: int, tile: int, a: int) -> dict[str, int]:
+    """What a tiled run holds on the GPU from each layer's forward to its backward beyond its input
+    (genolong.train.tiling): every DSA layer's whole-sequence latent and pooled indexer keys, and
+    every KDA layer's carried state (fp32) and conv tail at each tile boundary."""
+    d, k = config.dsa, config.kda
+    n_dsa = len(config.dsa_layers)
+    n_kda = sum(t == LAYER_KDA for t in config.layer_types)
+    keys = n_dsa * tokens * a * (d.kv_lora_rank + d.indexer.head_dim / d.indexer.kpool)
+    boundaries = -(-tokens // tile) - 1
+    carries = n_kda * boundaries * (FP32 * k.num_heads * k.head_dim * k.head_dim + a * 3 * k.qkv_dim * (k.conv_kernel - 1))
+    return {"dsa whole-sequence keys (tiling)": int(keys), "kda carried states (tiling)": int(carries)}
+
+
+def _kept_results(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int, host: dict[str, int], tp: int, moe_tokens: int,
+                  in_flight_tokens: int | None = None) -> dict[str, int]:
     """The GPU items of what recompute keeps from the forward (genolong.train.keep: the DSA results
     over `tokens`, and with keep_moe each chunked MoE layer's output over `moe_tokens`, the MoE's
-    tokens per GPU); adds the host's."""
+    tokens per GPU); adds the host's. `in_flight_tokens`: under tiling the results come back per
+    tile, so two tiles' are on the GPU at once instead of two layers'."""
     where = opts.kept_where()
     layers = range(config.num_layers)
     dsa = [kept_bytes_per_token(config, i, a, tp) * tokens if where else 0 for i in layers]
@@ -517,36 +544,43 @@ def _kept_results(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int,
             host["kept MoE outputs (pinned)"] = sum(moe)
         # A layer's own and the next one's (prefetched) are on the GPU during its recompute.
         name = "kept DSA results and MoE outputs" if moe_kept and opts.kept_where() else "kept MoE outputs" if moe_kept else "kept DSA results"
-        return {f"{name} in flight (2 layers)": sum(sorted(d + m for d, m in zip(dsa, moe))[-2:])}
+        two = sum(sorted(d + m for d, m in zip(dsa, moe))[-2:])
+        if in_flight_tokens:
+            return {f"{name} in flight (2 tiles)": two * in_flight_tokens // max(tokens, 1)}
+        return {f"{name} in flight (2 layers)": two}
     return {}
 
 
-def recompute_peak(stream_bytes: int, working: list[int], offloaded: int, overlap: bool = True) -> tuple[int, int, int]:
+def recompute_peak(stream_bytes: int, working: list[int], offloaded: int, overlap: bool = True,
+                   upload_bytes: int | None = None) -> tuple[int, int, int]:
     """(stored inputs, uploaded inputs, layer) at the backward peak under full recompute.
 
     Backward visits the layers last to first; while layer i recomputes, the inputs of the kept
     layers 0..i are still stored (those above i are freed), and the input of the next offloaded
     layer below i is already being uploaded (with overlap). The first `offloaded` layers offload.
+    upload_bytes: what one upload brings back (a layer's input; under tiling a tile's).
     """
+    up = stream_bytes if upload_bytes is None else upload_bytes
     best = None
     for i in range(len(working)):
         if i >= offloaded:
             stored = (i + 1 - offloaded) * stream_bytes
-            uploaded = stream_bytes if overlap and offloaded else 0
+            uploaded = up if overlap and offloaded else 0
         else:
             # An offloaded layer's own input is back on the GPU, and the next one is on its way.
             stored = 0
-            uploaded = stream_bytes * (1 + (1 if overlap and i >= 1 else 0))
+            uploaded = up * (1 + (1 if overlap and (i >= 1 or upload_bytes is not None) else 0))
         total = stored + uploaded + working[i]
         if best is None or total > best[0]:
             best = (total, stored, uploaded, i)
     return best[1], best[2], best[3]
 
 
-def offload_layers_needed(fixed: int, stream_bytes: int, working: list[int], budget: int, overlap: bool = True) -> int:
+def offload_layers_needed(fixed: int, stream_bytes: int, working: list[int], budget: int, overlap: bool = True,
+                          upload_bytes: int | None = None) -> int:
     """Fewest (first) layers whose inputs must leave the GPU for the backward peak to fit `budget`."""
     for n in range(len(working) + 1):
-        stored, prefetch, at = recompute_peak(stream_bytes, working, n, overlap)
+        stored, prefetch, at = recompute_peak(stream_bytes, working, n, overlap, upload_bytes)
         if fixed + stored + prefetch + working[at] <= budget:
             return n
     return len(working)
@@ -557,7 +591,8 @@ def moe_chunks_checkpointed(tokens: int, opts: MemoryOptions) -> bool:
     sequence is longer than one chunk (genolong.train.memory runs a single chunk as the plain
     MoE, which saves its activations like any layer; the H200 ablation without recompute at 32k
     measured those 35 GiB when the plan still assumed chunking)."""
-    return opts.moe_chunking and tokens > opts.moe_chunk_tokens
+    # (under tiling no MoE is chunked, genolong.train.memory: a tile's MoE runs whole)
+    return opts.moe_chunking and tokens > opts.moe_chunk_tokens and not (opts.recompute and opts.tile_tokens is not None)
 
 
 def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, setup: ParallelSetup) -> dict[str, int]:
@@ -642,9 +677,39 @@ def preflight(
     if gpu_bytes is None:
         gpu_bytes = _device_bytes()
     est = estimate_memory(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)
+    if not est.fits and opts.tile_auto and opts.tile_tokens is None:
+        tiled = choose_tile(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)
+        if tiled is not None:
+            # what the memory pass then applies (genolong.train.memory)
+            opts.tile_tokens, opts.keep_sparse, opts.keep_moe = tiled.opts.tile_tokens, tiled.opts.keep_sparse, False
+            return tiled
     if not est.fits:
         raise GenolongError(_refusal(model_config, est, shortfall(model_config, seq_len, opts, n_gpus, gpu_bytes, **kw)))
     return est
+
+
+# `--tile auto` tries these, longest first (fewer tiles: less per-tile overhead).
+TILE_CHOICES = (1 << 19, 1 << 18, 1 << 17, 1 << 16, 1 << 15)
+
+
+def choose_tile(model_config: ModelConfig, seq_len: int, opts: MemoryOptions, n_gpus: int = 1, gpu_bytes: int = H200_BYTES,
+                **kw) -> MemoryEstimate | None:
+    """The estimate with the longest tile of TILE_CHOICES (shorter than the sequence) that fits, its
+    `opts` a copy with that tile_tokens (and, where `--keep-sparse auto` keeps the DSA results and
+    only dropping them fits, keep_sparse "off"); None when none fits (or the run cannot tile: no
+    recompute, several GPUs)."""
+    if not opts.recompute or n_gpus != 1 or kw.get("setup") is not None and kw["setup"].world != 1:
+        return None
+    keeps = [opts.keep_sparse] + (["off"] if opts.keep_sparse == "auto" and opts.kept_where() else [])
+    for tile in TILE_CHOICES:
+        if tile >= seq_len:
+            continue
+        for keep in keeps:
+            trial = dataclasses.replace(opts, tile_tokens=tile, keep_moe=False, keep_sparse=keep)
+            est = estimate_memory(model_config, seq_len, trial, n_gpus, gpu_bytes, **kw)
+            if est.fits:
+                return est
+    return None
 
 
 def preflight_cpu(model_config: ModelConfig, seq_len: int, opts: MemoryOptions, *, batch: int = 1, dtype_bytes: int = FP32, ram_bytes: int | None = None) -> MemoryEstimate:

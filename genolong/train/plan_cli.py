@@ -80,6 +80,8 @@ def plan(
     keep_sparse: str = typer.Option("auto", "--keep-sparse", help="Kept DSA results under recompute: auto, host, device, off (as in finetune)"),
     moe_chunking: bool = typer.Option(True, "--moe-chunking/--no-moe-chunking", help="MoE in checkpointed sequence chunks"),
     moe_chunk: str = typer.Option("64k", "--moe-chunk", help="Tokens per MoE chunk"),
+    tile: str = typer.Option("auto", "--tile", help="Each layer in sequence tiles of this many tokens (as in finetune); auto: "
+                                                     "the longest tile that fits when whole layers do not (one GPU); off"),
     keep_moe: bool = typer.Option(False, "--keep-moe/--no-keep-moe", help="Kept MoE outputs under recompute (as in finetune)"),
     chunked_loss: bool = typer.Option(True, "--chunked-loss/--no-chunked-loss", help="LM head + loss in sequence chunks"),
     loss_chunk: str | None = typer.Option(None, "--loss-chunk", help="Tokens per loss chunk (default: ~1 GiB of fp32 logits)", show_default=False),
@@ -97,7 +99,7 @@ def plan(
     from genolong.errors import GenolongError
     from genolong.model import get_preset
     from genolong.parallel.layout import parse_layout
-    from genolong.train.plan import GPU_USABLE, HOST_USABLE, estimate_cpu_memory, estimate_memory, shortfall
+    from genolong.train.plan import GPU_USABLE, HOST_USABLE, choose_tile, estimate_cpu_memory, estimate_memory, shortfall
     from genolong.train.plan_parallel import ParallelSetup, check_setup, gpu_memory_bytes, single_gpu_setup, tokens_per_gpu, traffic
     from genolong.train.plan_suggest import blockers, suggest as rank_layouts
 
@@ -184,6 +186,12 @@ def plan(
         check_setup(config, setup, seq_len=seq_len, batch=sequences)
 
     est = estimate_memory(config, seq_len, opts, gpu_bytes=gpu_bytes, batch=micro, dtype_bytes=dtype_bytes, host_bytes=host_bytes, setup=setup)
+    if not est.fits and opts.tile_auto and opts.tile_tokens is None:
+        tiled = choose_tile(config, seq_len, opts, 1, gpu_bytes, batch=micro, dtype_bytes=dtype_bytes, host_bytes=host_bytes, setup=setup)
+        if tiled is not None:
+            dropped = " and --keep-sparse off" if tiled.opts.keep_sparse != opts.keep_sparse else ""
+            console.print(f"whole layers do not fit: --tile auto picks {format_length(tiled.opts.tile_tokens)} tiles{dropped}")
+            est, opts = tiled, tiled.opts
     where = f"{setup.world} GPU(s)" if setup.world > 1 else "1 GPU"
     _print_estimate(console, config, est, f"{config.name} at {format_length(seq_len)} tokens x {micro} per micro-batch per GPU, {where} ({setup.describe()})")
     if setup.world > 1:
@@ -229,7 +237,7 @@ def _print_estimate(console: Console, config, est, title: str) -> None:
             table.add_row("host", name, f"{value / GIB:.2f}")
         table.add_row("host", "[bold]total pinned[/bold]", f"[bold]{est.host_total / GIB:.2f}[/bold] / {est.host_bytes / GIB:.1f} usable")
     console.print(table)
-    switches = ", ".join(f"{k}={v}" for k, v in est.opts.to_dict().items() if k in ("recompute", "offload", "moe_chunking", "chunked_loss", "mhc_low_precision"))
+    switches = ", ".join(f"{k}={v}" for k, v in est.opts.to_dict().items() if k in ("recompute", "offload", "moe_chunking", "chunked_loss", "mhc_low_precision", "tile_tokens", "keep_sparse"))
     console.print(switches if cpu else f"layers offloaded: {est.offload_layers} of {config.num_layers}; {switches}")
     transient = ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.transients.items())
     if transient:

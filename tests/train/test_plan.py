@@ -322,7 +322,8 @@ def test_host_only_shortfall_names_host_memory_and_asks_for_host_ram_first():
 def test_plan_exits_3_when_it_does_not_fit_and_names_the_short_resource():
     from genolong.cli import app
 
-    host = CliRunner().invoke(app, ["plan", "--seq", "512k", "--preset", "glm53-mini", "--host-budget-gib", "4"])
+    # (--tile off: 64k tiles would fit 512k without offloading a layer)
+    host = CliRunner().invoke(app, ["plan", "--seq", "512k", "--preset", "glm53-mini", "--host-budget-gib", "4", "--tile", "off"])
     assert host.exit_code == 3, host.output
     assert "does not fit: pinned host memory short" in host.output and "more host RAM" in host.output
     gpu = CliRunner().invoke(app, ["plan", "--seq", "1M", "--preset", "glm-5.3-flash", "--host-budget-gib", "4096"])
