@@ -206,8 +206,11 @@ class DSAAttention(nn.Module):
         else:
             topk = self.indexer(x, q_resid, piece=piece)
         if self.selection_oracle is not None and self.indexer is not None:
+            # The oracle covers whole sequences; a piece (a tile of the sequence-tiling pass) takes its queries' part.
+            offset = 0 if piece is None else piece.offset
+            keys = self.selection_oracle[:, offset : offset + seq]
             cfg = self.indexer.cfg
-            topk = add_oracle_pools(topk, self.selection_oracle, kpool=cfg.kpool, topk_pools=cfg.topk_pools)
+            topk = add_oracle_pools(topk, keys, kpool=cfg.kpool, topk_pools=cfg.topk_pools, query_offset=offset)
         if self.recall_probe is not None and self.indexer is not None:
             self.recall_probe.measure(
                 self.layer_idx, q_latent, latent, topk, scale=self.scale, width=self.indexer.cfg.width, piece=piece
@@ -230,14 +233,15 @@ class DSAAttention(nn.Module):
         return out, topk
 
 
-def add_oracle_pools(topk: torch.Tensor, keys: torch.Tensor, *, kpool: int, topk_pools: int) -> torch.Tensor:
+def add_oracle_pools(topk: torch.Tensor, keys: torch.Tensor, *, kpool: int, topk_pools: int, query_offset: int = 0) -> torch.Tensor:
     """topk int32 [B, T, W] (the indexer's selection: topk_pools pools of kpool keys, then the tail)
     with each query's oracle pool (keys [B, T], -1 = none) written over its last pool slots where the
-    needed key is neither selected already nor in the query's incomplete tail pool."""
+    needed key is neither selected already nor in the query's incomplete tail pool. The queries sit
+    at positions query_offset + [0, T)."""
     if topk_pools < 1:
         return topk
     seq = topk.shape[1]
-    t = torch.arange(seq, device=topk.device)
+    t = query_offset + torch.arange(seq, device=topk.device)
     tail_start = (t + 1) - (t + 1) % kpool
     keys = keys.to(topk.device)
     pooled = topk[..., : topk_pools * kpool]

@@ -227,3 +227,34 @@ def test_the_recall_probe_measures_the_queries_of_every_tile(base):
         _step(model, indexer_loss=False, aux=0.0)
         values[tile] = {i: p.values[i] for i, p in probes.items()}
     assert values[None] and values[48] == pytest.approx(values[None], rel=1e-5)
+
+
+def test_the_copy_oracle_selects_the_same_under_tiles(base):
+    """The copy curriculum's oracle covers the whole sequence; each query tile takes its own part of it,
+    so a tiled step equals the untiled one with the oracle on (and differs from a step without it)."""
+    import numpy as np
+
+    from genolong.train.copy_oracle import oracle_keys, selection_oracle
+
+    ids = torch.randint(0, 4, (BATCH, T + 1), generator=torch.Generator().manual_seed(1))
+    ids[:, 110:150] = ids[:, 5:45]  # a copy ~105 back: far outside the 16-key selections
+    keys = torch.from_numpy(oracle_keys(ids[:, :-1].numpy().astype(np.int64), 12))
+    assert (keys[:, 121:150] >= 0).all()
+
+    def step(model):
+        with selection_oracle(model, keys):
+            loss = chunked_lm_loss(model.hidden_states(ids[:, :-1]), model.lm_head.weight, ids[:, 1:], ids[:, 1:] != N_ID, 64)
+            loss.backward()
+        return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = copy.deepcopy(base)
+    apply_memory_optimizations(plain, MemoryOptions(offload=False, keep_sparse="off", moe_chunking=False))
+    tiled = copy.deepcopy(base)
+    apply_memory_optimizations(tiled, MemoryOptions(offload=False, keep_sparse="off", tile_tokens=48))
+    (loss0, g0), (loss1, g1) = step(plain), step(tiled)
+    assert loss1 == pytest.approx(loss0, rel=1e-6)
+    for name, g in g0.items():
+        assert (g1[name] - g).abs().max().item() <= 2e-4 * g.abs().max().item() + 1e-7, name
+    without = copy.deepcopy(base)
+    loss_without = chunked_lm_loss(without.hidden_states(ids[:, :-1]), without.lm_head.weight, ids[:, 1:], ids[:, 1:] != N_ID, 64)
+    assert float(loss_without) != pytest.approx(loss0, rel=1e-6)
