@@ -571,10 +571,10 @@ def _restore(ckpt: Path, model, optimizer, procs) -> dict:
     state = ckpt_io.load_trainer_state(ckpt)
     saved = ckpt_io.load_optimizer_state(ckpt, procs.device)
     try:
-        if procs.pmesh is not None and (procs.layout.tp > 1 or procs.layout.ep > 1):
+        if procs.pmesh is not None and (procs.layout.tp > 1 or procs.layout.ep > 1 or procs.layout.fsdp > 1):
             from genolong.parallel.tensor_state import load_full_state
 
-            # A one-process checkpoint holds whole tensors: each rank keeps its part.
+            # A one-process checkpoint holds whole tensors: each rank keeps its part (tp / ep part, fsdp chunk).
             local = optimizer.state_dict()
             load_full_state({k: v for k, v in local.items() if not k.startswith("step")}, saved, procs.pmesh)
             saved = {**local, **{k: v for k, v in saved.items() if k.startswith("step")}}
