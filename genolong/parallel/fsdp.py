@@ -6,7 +6,9 @@ parameters are all-gathered before its forward, freed after it, gathered again f
 or its recompute, and its gradients reduce-scattered), and the root group holds the embedding,
 the final norm and lm_head (gathered once per forward and kept until backward ends: the loop
 reads `lm_head.weight` outside the model's forward for its chunked loss). `hidden_states` is
-registered as a forward method so that it unshards the root like `forward`.
+registered as a forward method so that it unshards the root like `forward`. A model on the meta
+device is sharded as it is; `to_empty` then allocates each rank's chunks only
+(genolong.parallel.sharded_load).
 
 What each rank holds: dim 0 of its tp / ep part of every parameter cut in fsdp chunks
 (torch.chunk: the last chunks may be shorter or empty), as a DTensor on the "fsdp" mesh; the
@@ -45,8 +47,6 @@ def apply_fsdp(model: nn.Module, pmesh) -> list[nn.Module]:
         return []
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise GenolongError("apply_fsdp: the model is already sharded; apply it once, to a model with plain parameters")
-    if next(model.parameters()).device.type == "meta":
-        raise GenolongError("apply_fsdp: the model is on the meta device; materialise it (to_empty and load) before sharding it")
     ensure_shard_reduce_groups(pmesh)
     mesh = pmesh.mesh["fsdp"]
     ignored = odd_dtype_parameters(model)
