@@ -69,11 +69,17 @@ def local_index(key: str, full_shape: tuple, param: torch.Tensor, pmesh) -> list
     return index
 
 
+# The most one read asks for (fp32 bytes): a rank's box of a large tensor (an embedding chunk) is
+# read in runs of rows of at most this size, so the transient copy stays small next to the shard.
+READ_BYTES = 64 << 20
+
+
 class ShardedTargets:
     """genolong.model.checkpoint's load targets for one rank of a parallel model (module docstring)."""
 
-    def __init__(self, model: nn.Module, pmesh) -> None:
+    def __init__(self, model: nn.Module, pmesh, read_bytes: int = READ_BYTES) -> None:
         self.pmesh = pmesh
+        self.read_bytes = read_bytes
         self.local = dict(model.state_dict(keep_vars=True))
         whole = build_meta(model.config, torch.float32)
         self.full = dict(whole.state_dict(keep_vars=True))
@@ -103,6 +109,8 @@ class ShardedTargets:
             if positions.numel() == 0:
                 return []
             runs_per_dim.append(_runs(values[held], positions))
+        row_bytes = 4 * max(1, _prod(n for _, _, n in (max(runs, key=lambda r: r[2]) for runs in runs_per_dim[1:])))
+        runs_per_dim[0] = _cut(runs_per_dim[0], max(1, self.read_bytes // row_bytes))
         out = []
         for box in itertools.product(*runs_per_dim):
             region = tuple((src, src + n) for src, _, n in box)
@@ -134,7 +142,19 @@ def _runs(sources: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int
     return [(int(sources[a]), int(positions[a]), b - a) for a, b in zip(starts, ends, strict=True)]
 
 
-def load_pretrained_sharded(model: nn.Module, path, pmesh):
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _cut(runs: list[tuple[int, int, int]], rows: int) -> list[tuple[int, int, int]]:
+    """The runs cut into pieces of at most `rows`."""
+    return [(src + a, dst + a, min(rows, n - a)) for src, dst, n in runs for a in range(0, n, rows)]
+
+
+def load_pretrained_sharded(model: nn.Module, path, pmesh, read_bytes: int = READ_BYTES):
     """Fill a materialised parallel model with its slices of the transformers checkpoint at `path`
     (config.json + safetensors, one file or sharded with an index; bf16 / fp32 / block-FP8).
     Returns genolong.model.checkpoint's LoadReport. Every rank calls it; no collective."""
@@ -144,7 +164,7 @@ def load_pretrained_sharded(model: nn.Module, path, pmesh):
 
     path = Path(path)
     raw = read_config(path)
-    report = load_weights(model, path, raw, targets=ShardedTargets(model, pmesh))
+    report = load_weights(model, path, raw, targets=ShardedTargets(model, pmesh, read_bytes))
     model.hf_source_config = raw
     tokenizer = path / "tokenizer.json"
     model.hf_source_tokenizer = tokenizer.read_text(encoding="utf-8") if tokenizer.is_file() else None
