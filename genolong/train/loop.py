@@ -178,6 +178,8 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     sampler = _open_sampler(options, *procs.coords("batch"))
     model, dna_map = _build_model(options, device, dtype, resume_from, procs)
     parallel = parallelize(model, options, procs.pmesh, kernels=resolve_kernels(options, device))
+    if _on_meta(model):
+        _materialise(model, options, device, resume_from, parallel)
     handle = parallel.memory
     balancer = ExpertBalancer(model, rate=options.balance_rate, aux_loss_coeff=options.aux_loss_coeff)
     indexer = IndexerTraining(
@@ -541,7 +543,26 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
         # The plan below assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
         _preflight(config, options, device)
     dna_map = None
-    if resume_from is not None and dist_ckpt.is_distributed(resume_from):
+    if (resume_from is not None or options.model_path) and _loads_sharded(procs):
+        # Built on the meta device; each rank allocates and reads its own slices after the passes (_materialise).
+        from genolong.parallel.sharded_load import build_meta
+
+        if resume_from is not None and dist_ckpt.is_distributed(resume_from):
+            model = dist_ckpt.build_model(resume_from, dtype, "meta")
+            ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
+            dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
+        else:
+            from genolong.model.checkpoint import read_config
+            from genolong.model.hf_config import from_hf
+
+            source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
+            model = build_meta(from_hf(read_config(source), name=source.name), dtype)
+            if resume_from is not None:
+                ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
+                dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
+            else:
+                dna_map = dna_to_checkpoint_ids(source, vocab_size=model.config.vocab_size)
+    elif resume_from is not None and dist_ckpt.is_distributed(resume_from):
         model = dist_ckpt.build_model(resume_from, dtype, device)
         ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
         dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
@@ -560,6 +581,35 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
     if dna_map is not None:
         dna_map = dna_map.to(device)
     return model, dna_map
+
+
+def _loads_sharded(procs) -> bool:
+    """Whether this run's ranks build the model on the meta device and read only their slices
+    (genolong.parallel.sharded_load): whenever a rank holds part of the weights (tp, ep, fsdp)."""
+    if procs is None or procs.pmesh is None:
+        return False
+    layout = procs.layout
+    return layout.tp > 1 or layout.ep > 1 or layout.fsdp > 1
+
+
+def _on_meta(model) -> bool:
+    return next(model.parameters()).device.type == "meta"
+
+
+def _materialise(model, options: TrainOptions, device: str, resume_from: Path | None, parallel) -> None:
+    """Allocate this rank's slices of a meta-built, parallelised model and fill them: from --model
+    (or a one-process checkpoint being resumed) by reading only those slices; a multi-process
+    checkpoint fills them later in _restore."""
+    from genolong.parallel.grad_sync import GradientSync
+    from genolong.parallel.sharded_load import load_pretrained_sharded, materialise
+
+    materialise(model, device)
+    if resume_from is None or not dist_ckpt.is_distributed(resume_from):
+        source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
+        report = load_pretrained_sharded(model, source, parallel.pmesh)
+        log.info(report.summary(source))
+    # The sync lists the parameters as they are after to_empty.
+    parallel.grads = GradientSync(model, parallel.pmesh)
 
 
 def _restore(ckpt: Path, model, optimizer, procs) -> dict:
