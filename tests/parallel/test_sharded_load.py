@@ -95,6 +95,7 @@ def _gathered(rank, world, path):
     return {k: v.detach().numpy() for k, v in full_state_dict(model.state_dict(), pmesh).items()}, held
 
 
+@pytest.mark.slow  # four gloo processes: ~30 s on the shared 2-core machine
 def test_fsdp2_tp2_ranks_read_their_slices_of_a_sharded_fp8_checkpoint(tmp_path):
     torch.manual_seed(0)
     save_pretrained(GenoLongForCausalLM(get_preset("tiny")), tmp_path / "bf", max_shard_bytes=200_000)
