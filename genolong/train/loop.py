@@ -166,7 +166,7 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
     # Before the run directory is touched: a run refused for memory leaves nothing to clean up.
     layout = procs.layout
-    if layout.cp == layout.tp == layout.ep == 1:
+    if layout.cp == layout.tp == layout.ep == layout.fsdp == 1:
         # The plan assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
         _preflight(_model_config(options, resume_from), options, device)
     # Every rank has checked --out before rank 0 changes anything there.
@@ -533,42 +533,33 @@ def _open_sampler(options: TrainOptions, rank: int = 0, ranks: int = 1):
 def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None, procs=None):
     """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
     A multi-process checkpoint's weights are loaded later (`_restore`), into the model after its
-    parallel passes."""
+    parallel passes; with tp, ep or fsdp the model comes back on the meta device (`_materialise`)."""
     from genolong.model import GenoLongForCausalLM, from_pretrained
     from genolong.model.vocab import dna_to_checkpoint_ids
 
     config = _model_config(options)
     layout = procs.layout if procs is not None else None
-    if layout is None or layout.cp == layout.tp == layout.ep == 1:
+    if layout is None or layout.cp == layout.tp == layout.ep == layout.fsdp == 1:
         # The plan below assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
         _preflight(config, options, device)
     dna_map = None
-    if (resume_from is not None or options.model_path) and _loads_sharded(procs):
-        # Built on the meta device; each rank allocates and reads its own slices after the passes (_materialise).
-        from genolong.parallel.sharded_load import build_meta
-
-        if resume_from is not None and dist_ckpt.is_distributed(resume_from):
-            model = dist_ckpt.build_model(resume_from, dtype, "meta")
-            ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
-            dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
-        else:
-            from genolong.model.checkpoint import read_config
-            from genolong.model.hf_config import from_hf
-
-            source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
-            model = build_meta(from_hf(read_config(source), name=source.name), dtype)
-            if resume_from is not None:
-                ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
-                dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
-            else:
-                dna_map = dna_to_checkpoint_ids(source, vocab_size=model.config.vocab_size)
-    elif resume_from is not None and dist_ckpt.is_distributed(resume_from):
-        model = dist_ckpt.build_model(resume_from, dtype, device)
+    # With tp, ep or fsdp a rank holds part of the weights: it builds on the meta device and
+    # allocates and reads only its slices after the passes (_materialise).
+    sharded = _loads_sharded(procs)
+    if resume_from is not None and dist_ckpt.is_distributed(resume_from):
+        model = dist_ckpt.build_model(resume_from, dtype, "meta" if sharded else device)
         ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
         dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
     elif resume_from is not None or options.model_path:
         source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
-        model = from_pretrained(source, dtype=dtype, device=device)
+        if sharded:
+            from genolong.model.checkpoint import read_config
+            from genolong.model.hf_config import from_hf
+            from genolong.parallel.sharded_load import build_meta
+
+            model = build_meta(from_hf(read_config(source), name=source.name), dtype)
+        else:
+            model = from_pretrained(source, dtype=dtype, device=device)
         if resume_from is not None:
             ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
             dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None

@@ -10,8 +10,9 @@ Ulysses), MoE chunks, full-layer recompute, FSDP. Compared with one process, fp3
 
 - one step's loss and the summed gradient of every parameter (1e-5 relative over the model, 1e-4
   per tensor);
-- the training loop's losses and gradient norms for two steps, and its DCP checkpoint resumed at
-  another layout, fsdp=2 x tp=2 (4 processes), with the uninterrupted run's third loss.
+- the training loop's losses and gradient norms for two steps, its DCP checkpoint exported to one
+  transformers checkpoint (the one-process weights after two steps) and resumed at another
+  layout, fsdp=2 x tp=2 (4 processes), with the uninterrupted run's third loss.
 
 The indexer's top-k is the sequence length (selection is dense), so rounding cannot flip a
 near-tie selection between layouts (tests/parallel/test_context.py pins selections instead).
@@ -135,7 +136,7 @@ def test_eight_processes_fsdp_cp_ep_equal_one_process_and_resume_at_fsdp_tp(chec
     ids, targets = _tokens()
     ref_loss = F.cross_entropy(reference(ids).logits.flatten(0, 1), targets.flatten(), reduction="sum") / targets.numel()
     ref_loss.backward()
-    single = train(options(tmp_path / "single"))
+    single = train(options(tmp_path / "single", save_every=2))
 
     run = tmp_path / "rehearsal"
     ranks = run_ranks(_rehearse, 8, str(checkpoint), options(run, stop_after=2, parallel=LAYOUT).to_dict(), timeout=900)
@@ -158,6 +159,19 @@ def test_eight_processes_fsdp_cp_ep_equal_one_process_and_resume_at_fsdp_tp(chec
     assert [r["tokens"] for r in records] == [BATCH * SEQ] * 2
     state = json.loads((run / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
     assert state["layout"] == "dp=1,fsdp=2,cp=2,tp=1,ep=2"
+
+    # `genolong export` of the 8-process checkpoint (experts saved as FSDP chunks of ep parts) is one
+    # transformers checkpoint with the one-process run's weights after two steps (Adam's first steps
+    # are sign-sized, so a near-zero gradient's rounding shows: 5% of each tensor's norm, where a
+    # misplaced chunk would be ~100%).
+    from genolong.train.export import export
+
+    exported = from_pretrained(export(run, tmp_path / "hf", step=2), dtype=torch.float32).state_dict()
+    after_two = from_pretrained(tmp_path / "single" / "checkpoints" / "step_00000002" / "model", dtype=torch.float32).state_dict()
+    worst = max(float((exported[n] - t).norm() / t.norm().clamp_min(1e-12)) for n, t in after_two.items())
+    print(f"export: largest relative difference from the one-process weights after two steps {worst:.2e}")
+    for name, tensor in after_two.items():
+        assert (exported[name] - tensor).norm() <= 0.05 * tensor.norm() + 1e-6, name
 
     (third,) = run_ranks(_resume, 4, load_run_options(run, progress=False, stop_after=None, parallel=RESUME_LAYOUT).to_dict(),
                          timeout=600)[0]
