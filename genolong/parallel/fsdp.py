@@ -1,7 +1,9 @@
-"""Sharded data parallelism (FSDP2, `torch.distributed.fsdp.fully_shard`) over the mesh's "fsdp" dimension.
+"""Sharded data parallelism (FSDP2, `torch.distributed.fsdp.fully_shard`) over the mesh's fsdp x cp ranks.
 
 `apply_fsdp(model, pmesh)` shards every parameter of a built (and tp / ep sliced, cp wrapped,
-recompute / offload wrapped) model over the fsdp ranks: each decoder layer is one FSDP group (its
+recompute / offload wrapped) model over the "shard" group, the fsdp ranks times the cp ranks
+(tensor_plan.SHARD_DIMS: cp ranks hold the same weights and sum their gradients, so they shard
+them too, as torchtitan's dp_shard x cp; at cp=1 it is the fsdp ranks): each decoder layer is one FSDP group (its
 parameters are all-gathered before its forward, freed after it, gathered again for its backward
 or its recompute, and its gradients reduce-scattered), and the root group holds the embedding,
 the final norm and lm_head (gathered once per forward and kept until backward ends: the loop
@@ -10,14 +12,14 @@ registered as a forward method so that it unshards the root like `forward`. A mo
 device is sharded as it is; `to_empty` then allocates each rank's chunks only
 (genolong.parallel.sharded_load).
 
-What each rank holds: dim 0 of its tp / ep part of every parameter cut in fsdp chunks
-(torch.chunk: the last chunks may be shorter or empty), as a DTensor on the "fsdp" mesh; the
+What each rank holds: dim 0 of its tp / ep part of every parameter cut in fsdp x cp chunks
+(torch.chunk: the last chunks may be shorter or empty), as a DTensor on the "shard" mesh; the
 optimizer (genolong.train.optim.MasterAdamW) keeps masters and moments of that chunk only.
 
 Gradients: FSDP reduce-scatters with a divide factor of 1 (a sum: each rank's loss is already
 divided by the step's global token count, docs/parallel.md) in fp32 (MixedPrecisionPolicy's
 reduce_dtype: one rounding of a bf16 gradient, as GradientSync's fp32 buckets). The rest of a
-parameter's sum (over dp, ep, cp, tp as tensor_plan.grad_reduce_group says, less fsdp) is
+parameter's sum (over dp, ep, tp as tensor_plan.grad_reduce_group says, less fsdp and cp) is
 GradientSync's, on the local chunks ("*_shard" groups of tensor_plan).
 
 Parameters of another dtype than the model's (the fp32-kept router, conv, gate and mHC scalars of
@@ -48,7 +50,7 @@ def apply_fsdp(model: nn.Module, pmesh) -> list[nn.Module]:
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise GenolongError("apply_fsdp: the model is already sharded; apply it once, to a model with plain parameters")
     ensure_shard_reduce_groups(pmesh)
-    mesh = pmesh.mesh["fsdp"]
+    mesh = pmesh.mesh["shard"]
     ignored = odd_dtype_parameters(model)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     groups = []

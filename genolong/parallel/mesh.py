@@ -1,7 +1,8 @@
 """Process groups for a layout: started from torchrun's environment, named by what they reduce.
 
-Mesh dimensions, outermost first: ("dp", "fsdp", "ep", "cp", "tp"). tp is innermost so that its
-ranks, which talk in every layer, are neighbours (the same node, NVLink). Flattened groups:
+Mesh dimensions, outermost first: ("dp", "ep", "fsdp", "cp", "tp"). tp is innermost so that its
+ranks, which talk in every layer, are neighbours (the same node, NVLink); fsdp and cp are
+adjacent, since FSDP shards over both (genolong.parallel.fsdp). Flattened groups:
 
 - "batch" = dp x fsdp x ep: ranks that read different sequences (the sampler is sharded over it).
 - "loss"  = dp x fsdp x ep x cp: every rank whose tokens enter the step's loss; the valid-token
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from genolong.errors import GenolongError
 from genolong.parallel.layout import ParallelLayout
 
-MESH_DIMS = ("dp", "fsdp", "ep", "cp", "tp")
+MESH_DIMS = ("dp", "ep", "fsdp", "cp", "tp")
 
 
 @dataclass
@@ -84,9 +85,9 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
     """The DeviceMesh for `layout` over the already initialised world (see the module docstring)."""
     sizes = tuple(getattr(layout, name) for name in MESH_DIMS)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-    mesh["dp", "fsdp", "ep"]._flatten("batch")
-    mesh["dp", "fsdp", "ep", "cp"]._flatten("loss")
-    mesh["dp", "fsdp", "ep", "cp"]._flatten("grad")
+    mesh["dp", "ep", "fsdp"]._flatten("batch")
+    mesh["dp", "ep", "fsdp", "cp"]._flatten("loss")
+    mesh["dp", "ep", "fsdp", "cp"]._flatten("grad")
     return ParallelMesh(layout, mesh)
 
 

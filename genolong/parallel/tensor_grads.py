@@ -7,7 +7,7 @@ but with one on another rank of its group (experts that received no token) count
 every rank joins every collective; one without a gradient anywhere (frozen) stays None.
 
 `global_grad_norm` counts each element of the model once: the squares of tensors split over tp
-or ep are summed over that group, those of FSDP chunks over fsdp, replicated tensors are
+or ep are summed over that group, those of FSDP chunks over its "shard" group, replicated tensors are
 counted on every rank as they are.
 Call it after the sync (then every rank gets the same norm).
 """
@@ -59,7 +59,7 @@ def global_grad_norm(model: torch.nn.Module, pmesh) -> float:
         squares[shard_group(name, layout), is_sharded(param)] += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
     if layout.fsdp > 1:
         chunks = torch.stack([squares[group, True] for group in (None, "tp", "ep")])
-        dist.all_reduce(chunks, group=pmesh.group("fsdp"))
+        dist.all_reduce(chunks, group=pmesh.group("shard"))
         for i, group in enumerate((None, "tp", "ep")):
             squares[group, False] += chunks[i]
     for group in ("tp", "ep"):

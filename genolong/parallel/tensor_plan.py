@@ -26,8 +26,9 @@ below stands for dp x fsdp):
 | split over ep (routed experts)    | dp x cp x tp       | "grad_expert" |
 | every other (replicated) one      | dp x ep x cp x tp  | "grad_sp"     |
 
-Under FSDP (genolong.parallel.fsdp) the fsdp part of that sum is FSDP's reduce-scatter, and the
-rest runs on each rank's chunk over the same dimensions less fsdp ("grad_shard", ...).
+Under FSDP (genolong.parallel.fsdp, sharding over SHARD_DIMS = fsdp x cp) that part of the sum is
+FSDP's reduce-scatter, and the rest runs on each rank's chunk over the same dimensions less fsdp
+and cp ("grad_shard", ...).
 
 Under sequence parallelism the tp ranks of a replicated parameter each see their own sequence
 shard (or, inside a mixer, only their heads' share of the gradient), so their parts add up over
@@ -71,12 +72,15 @@ _FULL_GRADIENT_ON_EVERY_TP_RANK = re.compile(_TAIL + r"lm_head\.weight$")
 
 # Flattened groups of the mesh (genolong.parallel.mesh): name -> mesh dimensions.
 REDUCE_GROUPS = {
-    "grad": ("dp", "fsdp", "ep", "cp"),
-    "grad_sp": ("dp", "fsdp", "ep", "cp", "tp"),
+    "grad": ("dp", "ep", "fsdp", "cp"),
+    "grad_sp": ("dp", "ep", "fsdp", "cp", "tp"),
     "grad_expert": ("dp", "fsdp", "cp", "tp"),
 }
-# The same sums less fsdp: what is left after FSDP's reduce-scatter (each rank its own chunk).
-SHARD_REDUCE_GROUPS = {f"{name}_shard": tuple(d for d in dims if d != "fsdp") for name, dims in REDUCE_GROUPS.items()}
+# FSDP shards over these (flattened: the "shard" group): the fsdp ranks and the cp ranks, which
+# hold the same weights (torchtitan's dp_shard x cp).
+SHARD_DIMS = ("fsdp", "cp")
+# The sums less SHARD_DIMS: what is left after FSDP's reduce-scatter (each rank its own chunk).
+SHARD_REDUCE_GROUPS = {f"{name}_shard": tuple(d for d in dims if d not in SHARD_DIMS) for name, dims in REDUCE_GROUPS.items()}
 
 
 def placement(name: str) -> Split | None:
@@ -121,7 +125,7 @@ def grad_reduce_group(name: str, layout: ParallelLayout, *, sharded: bool = Fals
 
     Returns "grad" whenever the group has the same ranks as "grad", so a layout without tp and
     ep needs no extra groups. sharded: the parameter is FSDP-sharded, its fsdp sum already done:
-    the group less fsdp, None when that leaves a single rank."""
+    the group less SHARD_DIMS, None when that leaves a single rank."""
     split = placement(name)
     if split is not None and split.group == "ep":
         group = "grad_expert"
@@ -156,8 +160,10 @@ def ensure_reduce_groups(pmesh) -> None:
 
 
 def ensure_shard_reduce_groups(pmesh) -> None:
-    """Create every group FSDP's chunks are summed over after its reduce-scatter (collective)."""
+    """Create FSDP's "shard" group and every group its chunks are summed over after its
+    reduce-scatter (collective)."""
     ensure_reduce_groups(pmesh)
+    pmesh.mesh[SHARD_DIMS]._flatten("shard")
     for group, dims in SHARD_REDUCE_GROUPS.items():
         pmesh.mesh[dims]._flatten(group)
 

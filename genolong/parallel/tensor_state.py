@@ -19,10 +19,11 @@ Usage (model and an optimizer's flat state alike; keys are matched on their tail
     dcp.load(views, checkpoint_id=...)                    # saved at any layout
     restore_from_sharded(model.state_dict(), views, pmesh)
 
-Under FSDP (genolong.parallel.fsdp) a tensor is a DTensor holding this rank's fsdp chunk (dim 0)
-of its tp / ep part; its view puts both on one 2-D mesh ("fsdp" and "tp" / "ep"): when the tp /
-ep split is along dim 0 too, the fsdp chunks are chunks of each tp / ep part, which DTensor
-writes `_StridedShard(0, split_factor=tp)` (the layout FSDP2 itself gives FSDP over TP).
+Under FSDP (genolong.parallel.fsdp) a tensor is a DTensor holding this rank's chunk (dim 0, over
+the "shard" group) of its tp / ep part; its view puts both on one 2-D mesh in the root mesh's
+order: ("ep", "shard") with Shard(0) twice (ep outer: chunks of each ep part), or ("shard", "tp")
+where, when the tp split is along dim 0 too, the chunks of each tp part are
+`_StridedShard(0, split_factor=tp)` (the layout FSDP2 itself gives FSDP over TP).
 
 `full_tensors` yields whole tensors one at a time (an export to a single-process checkpoint;
 every rank must iterate all of them: each is a collective); `load_full_state` copies this
@@ -81,10 +82,13 @@ def _fsdp_view(value: DTensor, split: Split | None, pmesh):
     size = pmesh.size(split.group)
     shape = list(value.shape)
     shape[split.dim] *= size
-    outer = _StridedShard(0, split_factor=size) if split.dim == 0 else Shard(0)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(value.to_local(), pmesh.mesh["fsdp", split.group], [outer, Shard(split.dim)],
-                              shape=torch.Size(shape), stride=stride, run_check=False)
+    if split.group == "ep":  # before the shard dimensions in the mesh
+        mesh, placements = pmesh.mesh["ep", "shard"], [Shard(split.dim), Shard(0)]
+    else:
+        inner = _StridedShard(0, split_factor=size) if split.dim == 0 else Shard(0)
+        mesh, placements = pmesh.mesh["shard", split.group], [inner, Shard(split.dim)]
+    return DTensor.from_local(value.to_local(), mesh, placements, shape=torch.Size(shape), stride=stride, run_check=False)
 
 
 @torch.no_grad()

@@ -6,7 +6,8 @@ layer 3, the shared indexer schedule) with its head ratios at toy width: 8 KDA h
 heads with 4 indexer heads (64 / 32), 8 experts top-2 (288 top-8) and a shared expert, mHC with
 4 streams. Each rank builds it on the meta device and reads only its slices of the checkpoint
 (genolong.parallel.sharded_load), then every pass runs: expert parallel, context parallel (KDA by
-Ulysses), MoE chunks, full-layer recompute, FSDP. Compared with one process, fp32:
+Ulysses), MoE chunks, full-layer recompute, FSDP (over fsdp x cp: each weight in 4 chunks, the
+experts' ep halves in 4). Compared with one process, fp32:
 
 - one step's loss and the summed gradient of every parameter (1e-5 relative over the model, 1e-4
   per tensor);
