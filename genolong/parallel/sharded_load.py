@@ -16,9 +16,10 @@ its part out (what `from_pretrained` + the parallel passes would do). Instead:
 Per-rank peak host memory is then its shard plus the largest box being read (tested: a checkpoint
 larger than the address space each rank may allocate loads at fsdp=2, tests/parallel/test_sharded_load.py).
 
-Which elements a rank holds, per dimension of a parameter (`local_index`): the whole range, cut by
-the tp / ep split of genolong.parallel.tensor_plan (its part of each block, e.g. the conv's [q; k;
-v] thirds), then by the FSDP chunk of dim 0 (torch.distributed.tensor's own offsets). Disk tensors
+Which elements a rank holds, per dimension of a parameter (`local_index`, runs of global indices:
+no per-element index is ever built): the whole range, cut by the tp / ep split of
+genolong.parallel.tensor_plan (its part of each block, e.g. the conv's [q; k; v] thirds), then by
+the FSDP chunk of dim 0 (torch.distributed.tensor's own offsets). Disk tensors
 that fill part of a fused parameter (an expert's gate / up / down, one of the three convs) map
 into it with a fixed index (the expert) and offsets (the up half, the conv third).
 """
@@ -32,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from genolong.errors import GenolongError
-from genolong.parallel.tensor_plan import Split, local_part, placement, split_size
+from genolong.parallel.tensor_plan import placement, split_size
 
 
 def build_meta(config, dtype: torch.dtype) -> nn.Module:
@@ -53,20 +54,35 @@ def materialise(model: nn.Module, device: str | torch.device) -> None:
     model.to_empty(device=device)
 
 
-def local_index(key: str, full_shape: tuple, param: torch.Tensor, pmesh) -> list[torch.Tensor]:
+def local_index(key: str, full_shape: tuple, param: torch.Tensor, pmesh) -> list[list[tuple[int, int]]]:
     """Per dimension of parameter `key` (whole shape `full_shape`), the global indices this rank
-    holds, in the order of its local tensor (module docstring)."""
-    index = [torch.arange(n) for n in full_shape]
+    holds, in the order of its local tensor, as runs (first global index, length) (module docstring)."""
+    index = [[(0, n)] for n in full_shape]
     split = placement(key)
     if pmesh is not None and split is not None and split_size(split, pmesh.layout) > 1:
-        along = Split(split.group, 0, split.blocks)
-        index[split.dim] = local_part(index[split.dim], along, pmesh.rank(split.group), pmesh.size(split.group))
+        rank, size = pmesh.rank(split.group), pmesh.size(split.group)
+        block = full_shape[split.dim] // split.blocks
+        part = block // size
+        if block * split.blocks != full_shape[split.dim] or part * size != block:
+            raise GenolongError(f"{key}: dim {split.dim} of {tuple(full_shape)} does not split into {split.blocks} block(s) x {size} ranks")
+        index[split.dim] = [(b * block + rank * part, part) for b in range(split.blocks)]
     if isinstance(param, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        index = [v[o : o + s] for v, s, o in zip(index, shape, offset, strict=True)]
+        index = [_narrow(runs, o, s) for runs, s, o in zip(index, shape, offset, strict=True)]
     return index
+
+
+def _narrow(runs: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """The runs of local positions [start, start + length) of `runs`."""
+    out, position = [], 0
+    for first, n in runs:
+        lo, hi = max(start, position), min(start + length, position + n)
+        if lo < hi:
+            out.append((first + lo - position, hi - lo))
+        position += n
+    return out
 
 
 # The most one read asks for (fp32 bytes): a rank's box of a large tensor (an embedding chunk) is
@@ -85,30 +101,28 @@ class ShardedTargets:
         self.full = dict(whole.state_dict(keep_vars=True))
         if self.full.keys() != self.local.keys():
             raise GenolongError("the parallel model's state-dict keys differ from the plain model's; a pass renamed a tensor")
-        self._index: dict[str, list[torch.Tensor]] = {}
+        self._index: dict[str, list[list[tuple[int, int]]]] = {}  # the current target's runs
 
     def pieces(self, target: str, part: tuple | None, disk_shape: tuple) -> list[tuple[tuple, torch.Tensor]]:
         full_shape = tuple(self.full[target].shape)
         if target not in self._index:
-            self._index[target] = local_index(target, full_shape, self.local[target], self.pmesh)
+            self._index = {target: local_index(target, full_shape, self.local[target], self.pmesh)}
         index = self._index[target]
         fixed, mapping = _part_mapping(part, full_shape, len(disk_shape))
         local = self.local[target]
         local = local.to_local() if isinstance(local, DTensor) else local
         prefix = []
         for dim, value in fixed:
-            where = (index[dim] == value).nonzero()
-            if where.numel() == 0:
+            found = [dst for src, dst, _ in _overlaps(index[dim], value, 1)]
+            if not found:
                 return []
-            prefix.append(int(where[0, 0]))
+            prefix.append(found[0])
         runs_per_dim = []
         for j, (dim, offset) in enumerate(mapping):
-            values = index[dim] - offset
-            held = (values >= 0) & (values < disk_shape[j])
-            positions = held.nonzero()[:, 0]
-            if positions.numel() == 0:
+            runs = _overlaps(index[dim], offset, disk_shape[j])
+            if not runs:
                 return []
-            runs_per_dim.append(_runs(values[held], positions))
+            runs_per_dim.append(runs)
         row_bytes = 4 * max(1, _prod(n for _, _, n in (max(runs, key=lambda r: r[2]) for runs in runs_per_dim[1:])))
         runs_per_dim[0] = _cut(runs_per_dim[0], max(1, self.read_bytes // row_bytes))
         out = []
@@ -132,14 +146,16 @@ def _part_mapping(part: tuple | None, full_shape: tuple, disk_dims: int) -> tupl
     return [(0, index)], [(1, rows)] + [(d, 0) for d in range(2, disk_dims + 1)]
 
 
-def _runs(sources: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(source start, local start, length) of the maximal runs where both advance by one."""
-    if sources.numel() == 0:
-        return []
-    breaks = ((sources[1:] - sources[:-1] != 1) | (positions[1:] - positions[:-1] != 1)).nonzero()[:, 0] + 1
-    starts = [0, *breaks.tolist()]
-    ends = [*breaks.tolist(), sources.numel()]
-    return [(int(sources[a]), int(positions[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+def _overlaps(runs: list[tuple[int, int]], offset: int, length: int) -> list[tuple[int, int, int]]:
+    """(index in the disk tensor, local position, length) of where `runs` (global index runs in local
+    order) meet the disk tensor's span [offset, offset + length) of that dimension."""
+    out, position = [], 0
+    for first, n in runs:
+        lo, hi = max(first, offset), min(first + n, offset + length)
+        if lo < hi:
+            out.append((lo - offset, position + lo - first, hi - lo))
+        position += n
+    return out
 
 
 def _prod(values) -> int:

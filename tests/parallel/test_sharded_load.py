@@ -4,7 +4,7 @@ A transformers glm5_next checkpoint (several safetensors shards with an index; F
 projections) loads into a model built on the meta device and parallelised at fsdp=2 x tp=2: every
 rank's slices, gathered, equal one process's `from_pretrained`. And at fsdp=2 each rank's peak
 anonymous memory during the load (RssAnon, sampled after every read, when the read box and the
-shard both exist) stays below 70% of the checkpoint's size: it reads only its half. (The file's
+shard both exist) stays below 55% of the checkpoint's size: it reads only its half. (The file's
 memory-mapped pages are page cache, not the process's own; RLIMIT_DATA cannot bound the load
 because safetensors maps the file private and writable.)
 """
@@ -101,7 +101,7 @@ def test_fsdp2_tp2_ranks_read_their_slices_of_a_sharded_fp8_checkpoint(tmp_path)
     save_pretrained(GenoLongForCausalLM(get_preset("tiny")), tmp_path / "bf", max_shard_bytes=200_000)
     _fp8_checkpoint(tmp_path / "bf", tmp_path / "fp8")
     reference = from_pretrained(tmp_path / "fp8", dtype=torch.float32).state_dict()
-    ranks = run_ranks(_gathered, 4, str(tmp_path / "fp8"))
+    ranks = run_ranks(_gathered, 4, str(tmp_path / "fp8"), timeout=600)
     whole = sum(t.numel() for t in reference.values())
     for full, held in ranks:
         assert full.keys() == reference.keys()
@@ -120,12 +120,13 @@ def _load_and_measure(rank, world, path):
 
 def test_a_checkpoint_larger_than_each_ranks_allocation_loads_at_fsdp2(tmp_path):
     torch.manual_seed(0)
-    # A large vocabulary makes the embedding and lm_head most of the model: 2 x 160k x 64 in bf16, ~41 MB.
-    model = GenoLongForCausalLM(get_preset("tiny", vocab_size=160_000), dtype=torch.bfloat16)
+    # A large vocabulary makes the embedding and lm_head most of the model: 2 x 320k x 64 in bf16, ~80 MiB
+    # (large enough that the process's own allocation noise, a few MiB, does not decide the bound).
+    model = GenoLongForCausalLM(get_preset("tiny", vocab_size=320_000), dtype=torch.bfloat16)
     save_pretrained(model, tmp_path / "big", max_shard_bytes=8 << 20)
     size = sum(p.stat().st_size for p in (tmp_path / "big").glob("*.safetensors"))
-    budget = int(0.65 * size)  # less than the checkpoint: a rank must read only its half
-    ranks = run_ranks(_load_and_measure, 2, str(tmp_path / "big"))
+    budget = int(0.55 * size)  # a rank must read only its half (and little besides)
+    ranks = run_ranks(_load_and_measure, 2, str(tmp_path / "big"), timeout=600)
     reference = from_pretrained(tmp_path / "big", dtype=torch.bfloat16).state_dict()
     for key, tensor in reference.items():
         assert abs(sum(r[0][key] for r in ranks) - float(tensor.double().sum())) <= 1e-6 * float(tensor.double().abs().sum()) + 1e-9, key
