@@ -141,6 +141,17 @@ def test_fsdp2_gradients_sharded_state_and_checkpoint_equal_one_process(tmp_path
         assert torch.equal(tensor, weights[name]), name
 
 
+def test_fsdp_with_the_indexer_loss_is_refused_before_anything_starts(data, tmp_path):
+    from genolong.errors import GenolongError
+    from genolong.model import get_preset
+    from genolong.train.distributed import check_processes
+
+    # (--launcher ray: the check that runs before any process is started)
+    options = _options(data, tmp_path / "x", seq_len=128, parallel="fsdp=2", indexer_loss_coeff=1.0, launcher="ray")
+    with pytest.raises(GenolongError, match="indexer's KL loss runs its backward outside the layers' FSDP hooks"):
+        check_processes(options, get_preset("tiny"))
+
+
 def test_fsdp_is_a_data_parallel_dimension_of_the_layout():
     from genolong.errors import GenolongError
     from genolong.model import get_preset
