@@ -207,10 +207,10 @@ def _rank_share(parallel: str | None, dev):
 
     world = launched_world()
     layout = parse_layout(parallel) if parallel else ParallelLayout(dp=world[1] if world else 1)
-    if layout.tp > 1 or layout.ep > 1:
+    if layout.tp > 1 or layout.ep > 1 or layout.fsdp > 1:
         raise GenolongError(
             f"eval-positional --parallel {layout}: only dp (windows split over processes) and cp (each window split over "
-            "processes) are supported; scoring over tp or ep ranks is not wired into eval-positional; drop tp and ep"
+            "processes) are supported; scoring over tp, ep or fsdp ranks is not wired into eval-positional; drop tp, ep and fsdp (use dp)"
         )
     started = world[1] if world else 1
     if layout.world_size != started:

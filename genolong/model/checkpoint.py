@@ -14,7 +14,9 @@ or `model.` (flat text-only releases); `lm_head.weight` has none. Vision tensors
 summary line. FP8 tensors are dequantized (genolong.model.fp8) before they are copied in.
 
 Loading goes one shard at a time through `safe_open` (memory-mapped), one tensor at a time,
-straight into the model's parameters: peak host memory is the model plus one tensor.
+straight into the model's parameters: peak host memory is the model plus one tensor. A rank of a
+multi-process run reads only the regions it holds (genolong.parallel.sharded_load, the same loop
+with other `targets`).
 """
 
 from __future__ import annotations
@@ -209,12 +211,31 @@ def _few(keys, n: int = 5) -> str:
     return ", ".join(keys[:n]) + more
 
 
-def load_weights(model: torch.nn.Module, path: str | Path, raw_config: dict) -> LoadReport:
-    """Copy a checkpoint's text tower into `model` (in place), checking names, coverage and shapes."""
+class WholeTargets:
+    """Where a single-process load writes: the model's own (whole) tensors.
+
+    `full` maps every state-dict key to a tensor of its whole shape (shapes, coverage checks);
+    `pieces(target, part, disk_shape)` lists (region of the disk tensor or None for all of it,
+    destination view) to copy. genolong.parallel.sharded_load gives the same interface for a
+    rank that holds only parts of each tensor (tp / ep parts, FSDP chunks)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.full = dict(model.state_dict(keep_vars=True))
+
+    def pieces(self, target: str, part: tuple | None, disk_shape: tuple) -> list[tuple[tuple | None, torch.Tensor]]:
+        return [(None, _part_view(self.full[target], part))]
+
+
+def load_weights(model: torch.nn.Module, path: str | Path, raw_config: dict, targets=None) -> LoadReport:
+    """Copy a checkpoint's text tower into `model` (in place), checking names, coverage and shapes.
+
+    targets: WholeTargets(model) by default; a sharded one reads only this rank's regions
+    (safe_open's get_slice: nothing else of the file is read)."""
     path = Path(path)
     num_layers = model.config.num_layers
     block = fp8.block_size_from_config(raw_config) or fp8.DEFAULT_BLOCK
-    params = dict(model.state_dict(keep_vars=True))
+    targets = targets if targets is not None else WholeTargets(model)
+    params = targets.full
     wmap = weight_map(path)
     report = LoadReport()
     filled: dict[str, set] = defaultdict(set)
@@ -253,8 +274,10 @@ def load_weights(model: torch.nn.Module, path: str | Path, raw_config: dict) -> 
                     continue
                 where = Placement("lm_head.weight") if kind == "lm_head" else placement(rel)
                 param = params.get(where.target)
+                disk = f.get_slice(key)
+                disk_shape = tuple(disk.get_shape())
                 if param is None:
-                    if 0 in f.get_slice(key).get_shape():
+                    if 0 in disk_shape:
                         # A zero-width module (transformers' shared expert at n_shared_experts = 0),
                         # which genolong does not build: nothing to load.
                         report.skipped["empty tensors"] += 1
@@ -262,29 +285,28 @@ def load_weights(model: torch.nn.Module, path: str | Path, raw_config: dict) -> 
                         unexpected.append(key)
                     continue
                 try:
-                    view = _part_view(param, where.part)
+                    expected = tuple(_part_view(param, where.part).shape)
                 except IndexError:
                     unexpected.append(key)
                     continue
-                tensor = f.get_tensor(key)
                 skey = fp8.scale_key(key)
                 # A scale next to a non-FP8 tensor is refused by dequantize: applying it or
                 # ignoring it would both be a guess about what the file means.
-                if tensor.dtype in fp8.FP8_DTYPES or skey in wmap:
-                    if skey not in wmap:
-                        raise GenolongError(
-                            f"checkpoint tensor {key} is FP8 but has no {skey}; the checkpoint is incomplete"
-                        )
-                    scale = handle(wmap[skey]).get_tensor(skey)
-                    tensor = fp8.dequantize(tensor, scale, block, dtype=torch.float32, name=key)
-                    report.dequantized += 1
-                if tuple(tensor.shape) != tuple(view.shape):
+                quantized = _dtype_of(disk) in fp8.FP8_DTYPES or skey in wmap
+                if quantized and skey not in wmap:
+                    raise GenolongError(f"checkpoint tensor {key} is FP8 but has no {skey}; the checkpoint is incomplete")
+                if disk_shape != expected:
                     raise GenolongError(
-                        f"checkpoint tensor {key} has shape {tuple(tensor.shape)} but the model built from "
-                        f"config.json expects {tuple(view.shape)}; config.json and the weights disagree"
+                        f"checkpoint tensor {key} has shape {disk_shape} but the model built from "
+                        f"config.json expects {expected}; config.json and the weights disagree"
                     )
-                with torch.no_grad():
-                    view.copy_(tensor)
+                scale = handle(wmap[skey]).get_slice(skey) if quantized else None
+                for region, view in targets.pieces(where.target, where.part, disk_shape):
+                    tensor = _read(disk, region, scale, block, key)
+                    with torch.no_grad():
+                        view.copy_(tensor)
+                    del tensor
+                report.dequantized += int(quantized)
                 filled[where.target].add(where.part if where.part is not None else "whole")
                 report.loaded += 1
 
@@ -309,6 +331,37 @@ def load_weights(model: torch.nn.Module, path: str | Path, raw_config: dict) -> 
             "incomplete or belongs to another architecture"
         )
     return report
+
+
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
+
+
+def _dtype_of(disk) -> torch.dtype | None:
+    """The torch dtype of a safe_open slice when it is one the loader treats specially (FP8), else None."""
+    return _SAFETENSORS_DTYPES.get(disk.get_dtype())
+
+
+def _read(disk, region: tuple | None, scale, block: tuple[int, int], key: str) -> torch.Tensor:
+    """`region` ((start, stop) per dim; None: all) of a disk tensor, dequantized when `scale` is
+    given: an FP8 region is widened to whole scale tiles on its last two dims, dequantized with
+    its part of the scale grid and cropped, so only those tiles are read."""
+    shape = tuple(disk.get_shape())
+    if region is None:
+        region = tuple((0, n) for n in shape)
+    if scale is None:
+        return disk[tuple(slice(a, b) for a, b in region)]
+    scale_shape = tuple(scale.get_shape())
+    if len(scale_shape) != len(shape) or len(shape) < 2:
+        # Per-tensor (or unusual) scales: the whole tensor, as the single-process load reads it.
+        whole = fp8.dequantize(disk[:], scale[:], block, dtype=torch.float32, name=key)
+        return whole[tuple(slice(a, b) for a, b in region)]
+    tiles = (*(1,) * (len(shape) - 2), *block)
+    wide = [(a // t * t, min(-(-b // t) * t, n)) for (a, b), t, n in zip(region, tiles, shape, strict=True)]
+    grid = [(a // t, -(-b // t)) for (a, b), t in zip(wide, tiles, strict=True)]
+    weight = disk[tuple(slice(a, b) for a, b in wide)]
+    scales = scale[tuple(slice(a, b) for a, b in grid)]
+    out = fp8.dequantize(weight, scales, block, dtype=torch.float32, name=key)
+    return out[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(region, wide, strict=True))]
 
 
 def _build(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:

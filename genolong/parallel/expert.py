@@ -85,8 +85,10 @@ class ExpertParallelExperts(Experts):
     def _local_experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] == 0:
             # Still a function of `rows`, so the reverse exchange's backward reaches the forward
-            # exchange's on this rank too (every rank must join both collectives).
-            return rows * 0
+            # exchange's on this rank too (every rank must join both collectives); and of the
+            # weights, so they get a zero gradient rather than none: FSDP's reduce-scatter needs
+            # the same gradients on every rank of its group.
+            return rows * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(rows.dtype) * 0
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         return ops.call(
             "moe_experts",

@@ -14,6 +14,10 @@ dtype (bf16 on the GPU). A bf16 all-reduce would round after every partial sum o
 ranks: 63 roundings); in fp32 the sum is rounded once, to the same bf16 gradient a single GPU
 keeps. The bucket is the only fp32 copy, `bucket_elements` at a time (64M = 256 MiB).
 
+Under FSDP (genolong.parallel.fsdp) a sharded parameter's gradient arrives already summed over
+fsdp (FSDP's reduce-scatter) as this rank's chunk; the chunk is summed over the rest of its
+group ("*_shard" groups of tensor_plan; nothing left to do when that is one rank).
+
 A parameter that has no gradient on this rank but has one on another rank of its group (an
 expert that received no token) joins with zeros; one without a gradient anywhere (a frozen
 indexer) stays None. Both are decided by one small all-reduce per group and step.
@@ -26,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from genolong.parallel.fsdp import is_sharded, local
 from genolong.parallel.tensor_grads import global_grad_norm
 from genolong.parallel.tensor_plan import grad_reduce_group
 
@@ -40,7 +45,9 @@ class GradientSync:
         self.groups: dict[str, list[torch.nn.Parameter]] = {}
         for name, param in model.named_parameters():
             if param.requires_grad:
-                self.groups.setdefault(grad_reduce_group(name, pmesh.layout), []).append(param)
+                group = grad_reduce_group(name, pmesh.layout, sharded=is_sharded(param))
+                if group is not None:
+                    self.groups.setdefault(group, []).append(param)
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -68,7 +75,7 @@ class GradientSync:
         `whole_norm()` (the optimizer's, no collective: a one-rank run matches the one-process
         loop bit for bit); with them, the parts are added up over their groups."""
         layout = self.pmesh.layout
-        if layout.tp == 1 and layout.ep == 1:
+        if layout.tp == 1 and layout.ep == 1 and layout.fsdp == 1:
             return whole_norm()
         return global_grad_norm(self.model, self.pmesh)
 
@@ -79,9 +86,9 @@ class GradientSync:
         current: list[torch.Tensor] = []
         size = 0
         for param in params:
-            if not param.grad.is_contiguous():
+            if not local(param.grad).is_contiguous():
                 param.grad = param.grad.contiguous()
-            flat = param.grad.view(-1)
+            flat = local(param.grad).view(-1)
             for start in range(0, flat.numel(), self.bucket_elements):
                 piece = flat[start : start + self.bucket_elements]
                 if current and size + piece.numel() > self.bucket_elements:

@@ -1,13 +1,16 @@
-"""The parallel layout `--parallel dp=..,cp=..,tp=..,ep=..`: parsed, then checked before anything is allocated.
+"""The parallel layout `--parallel dp=..,fsdp=..,cp=..,tp=..,ep=..`: parsed, then checked before anything is allocated.
 
-Four dimensions, their product is the number of processes:
+Five dimensions, their product is the number of processes:
 - dp: data parallel. Replicas see different sequences; gradients are averaged.
+- fsdp: sharded data parallel (FSDP2, genolong.parallel.fsdp). Data parallel like dp, but each of
+  these ranks keeps only 1/fsdp of every parameter (of its tp / ep part), of its gradient and of
+  its optimizer state; a layer's parameters are all-gathered for its forward and backward.
 - cp: context parallel. One sequence is split along its length across cp ranks (the 1M path).
 - tp: tensor parallel. Attention heads and MLP columns are split across tp ranks, with
   sequence parallelism between the projections (norms and mHC streams on sequence shards).
 - ep: expert parallel. Routed experts are split across ep ranks; for everything that is not
   an expert, the ep ranks are more data parallelism (they read different sequences), as in
-  Megatron's expert-data-parallel view. So sequences per step are split over dp x ep.
+  Megatron's expert-data-parallel view. So sequences per step are split over dp x fsdp x ep.
 
 `check_layout` rejects every combination that cannot run, naming the rule and the fix (Halo's
 lesson: invalid parallel combinations fail at config time, not after an hour of loading).
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 from genolong.errors import GenolongError
 
-DIMENSIONS = ("dp", "cp", "tp", "ep")
+DIMENSIONS = ("dp", "fsdp", "cp", "tp", "ep")
 # How context parallelism splits KDA layers (genolong/parallel/context_kda.py): by passing the
 # recurrent state between ranks, or by a Ulysses head split (each rank its heads, whole sequence);
 # "auto": Ulysses where the KDA heads divide by cp (the faster where both were measured,
@@ -33,29 +36,31 @@ KDA_CHUNK = 64
 @dataclass(frozen=True)
 class ParallelLayout:
     dp: int = 1
+    fsdp: int = 1
     cp: int = 1
     tp: int = 1
     ep: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.ep
+        return self.dp * self.fsdp * self.cp * self.tp * self.ep
 
     @property
     def data_parallel(self) -> int:
-        """How many ranks read different sequences (dp x ep)."""
-        return self.dp * self.ep
+        """How many ranks read different sequences (dp x fsdp x ep)."""
+        return self.dp * self.fsdp * self.ep
 
     @property
     def is_single(self) -> bool:
         return self.world_size == 1
 
     def __str__(self) -> str:
-        return ",".join(f"{name}={getattr(self, name)}" for name in DIMENSIONS)
+        # fsdp only when used: the layouts written into earlier checkpoints read the same.
+        return ",".join(f"{name}={getattr(self, name)}" for name in DIMENSIONS if name != "fsdp" or self.fsdp > 1)
 
 
 def parse_layout(text: str | None) -> ParallelLayout:
-    """'cp=2' or 'dp=2,cp=2,tp=1,ep=1' (any order, missing = 1); None or '' is one process."""
+    """'cp=2' or 'dp=2,fsdp=2,cp=2,tp=1,ep=1' (any order, missing = 1); None or '' is one process."""
     if text is None or not str(text).strip():
         return ParallelLayout()
     sizes: dict[str, int] = {}
@@ -132,7 +137,7 @@ def check_layout(
         )
     if batch % layout.data_parallel:
         raise GenolongError(
-            f"--batch {batch} sequences per step do not split over {layout.data_parallel} data-parallel rank(s) (dp x ep); "
+            f"--batch {batch} sequences per step do not split over {layout.data_parallel} data-parallel rank(s) (dp x fsdp x ep); "
             f"use a --batch that is a multiple of {layout.data_parallel}"
         )
 

@@ -1,12 +1,13 @@
 """Process groups for a layout: started from torchrun's environment, named by what they reduce.
 
-Mesh dimensions, outermost first: ("dp", "ep", "cp", "tp"). tp is innermost so that its
-ranks, which talk in every layer, are neighbours (the same node, NVLink). Flattened groups:
+Mesh dimensions, outermost first: ("dp", "ep", "fsdp", "cp", "tp"). tp is innermost so that its
+ranks, which talk in every layer, are neighbours (the same node, NVLink); fsdp and cp are
+adjacent, since FSDP shards over both (genolong.parallel.fsdp). Flattened groups:
 
-- "batch" = dp x ep: ranks that read different sequences (the sampler is sharded over it).
-- "loss"  = dp x ep x cp: every rank whose tokens enter the step's loss; the valid-token
+- "batch" = dp x fsdp x ep: ranks that read different sequences (the sampler is sharded over it).
+- "loss"  = dp x fsdp x ep x cp: every rank whose tokens enter the step's loss; the valid-token
   count is summed over it, so each token counts once however the sequence is split.
-- "grad"  = dp x ep x cp: gradients of parameters replicated across it are *summed* there
+- "grad"  = dp x fsdp x ep x cp: gradients of parameters replicated across it are *summed* there
   (each rank's loss is already divided by the global count, so the sum is the mean).
 
 On CUDA the backend is NCCL, elsewhere gloo (the CPU tests run the same code on gloo).
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from genolong.errors import GenolongError
 from genolong.parallel.layout import ParallelLayout
 
-MESH_DIMS = ("dp", "ep", "cp", "tp")
+MESH_DIMS = ("dp", "ep", "fsdp", "cp", "tp")
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ParallelMesh:
     mesh: DeviceMesh
 
     def group(self, name: str) -> dist.ProcessGroup:
-        """The process group of one dimension ("dp", "ep", "cp", "tp") or flattened name ("batch", "loss", "grad")."""
+        """The process group of one dimension ("dp", "fsdp", "ep", "cp", "tp") or flattened name ("batch", "loss", "grad")."""
         return self.mesh[name].get_group()
 
     def rank(self, name: str) -> int:
@@ -84,9 +85,9 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
     """The DeviceMesh for `layout` over the already initialised world (see the module docstring)."""
     sizes = tuple(getattr(layout, name) for name in MESH_DIMS)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-    mesh["dp", "ep"]._flatten("batch")
-    mesh["dp", "ep", "cp"]._flatten("loss")
-    mesh["dp", "ep", "cp"]._flatten("grad")
+    mesh["dp", "ep", "fsdp"]._flatten("batch")
+    mesh["dp", "ep", "fsdp", "cp"]._flatten("loss")
+    mesh["dp", "ep", "fsdp", "cp"]._flatten("grad")
     return ParallelMesh(layout, mesh)
 
 

@@ -7,7 +7,8 @@ but with one on another rank of its group (experts that received no token) count
 every rank joins every collective; one without a gradient anywhere (frozen) stays None.
 
 `global_grad_norm` counts each element of the model once: the squares of tensors split over tp
-or ep are summed over that group, replicated tensors are counted on every rank as they are.
+or ep are summed over that group, those of FSDP chunks over its "shard" group, replicated tensors are
+counted on every rank as they are.
 Call it after the sync (then every rank gets the same norm).
 """
 
@@ -18,6 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from genolong.parallel.fsdp import is_sharded, local
 from genolong.parallel.tensor_plan import grad_reduce_group, shard_group
 
 
@@ -27,7 +29,9 @@ def reduce_gradients(model: torch.nn.Module, pmesh) -> None:
     by_group: dict[str, list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            by_group.setdefault(grad_reduce_group(name, layout), []).append(param)
+            group = grad_reduce_group(name, layout, sharded=is_sharded(param))
+            if group is not None:
+                by_group.setdefault(group, []).append(param)
     for name, params in by_group.items():
         group = pmesh.group(name)
         # Which parameters have a gradient on some rank (a frozen one, e.g. the DSA indexer, has
@@ -41,7 +45,7 @@ def reduce_gradients(model: torch.nn.Module, pmesh) -> None:
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+            dist.all_reduce(local(param.grad), group=group)
 
 
 @torch.no_grad()
@@ -49,10 +53,16 @@ def global_grad_norm(model: torch.nn.Module, pmesh) -> float:
     layout = pmesh.layout
     params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     device = params[0][1].grad.device if params else torch.device("cpu")
-    squares = {group: torch.zeros((), dtype=torch.float32, device=device) for group in (None, "tp", "ep")}
+    squares = {(group, sharded): torch.zeros((), dtype=torch.float32, device=device) for group in (None, "tp", "ep") for sharded in (False, True)}
     for name, param in params:
-        squares[shard_group(name, layout)] += torch.linalg.vector_norm(param.grad, dtype=torch.float32).square()
+        grad = local(param.grad)
+        squares[shard_group(name, layout), is_sharded(param)] += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    if layout.fsdp > 1:
+        chunks = torch.stack([squares[group, True] for group in (None, "tp", "ep")])
+        dist.all_reduce(chunks, group=pmesh.group("shard"))
+        for i, group in enumerate((None, "tp", "ep")):
+            squares[group, False] += chunks[i]
     for group in ("tp", "ep"):
         if pmesh.size(group) > 1:
-            dist.all_reduce(squares[group], group=pmesh.group(group))
-    return math.sqrt(float(sum(squares.values())))
+            dist.all_reduce(squares[group, False], group=pmesh.group(group))
+    return math.sqrt(float(sum(squares[group, False] for group in (None, "tp", "ep"))))

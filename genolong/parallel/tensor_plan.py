@@ -17,13 +17,18 @@ Split over ep: the routed experts' gate_up_proj / down_proj along the expert dim
 Everything else is replicated (norms, mHC, the latent projections of DSA and the low-rank KDA
 gates, the indexer, the router, embedding, lm_head).
 
-Gradient groups (sums; each rank's loss is already divided by the global token count):
+Gradient groups (sums; each rank's loss is already divided by the global token count; dp
+below stands for dp x fsdp):
 | parameter                         | summed over        | group name    |
 |-----------------------------------|--------------------|---------------|
 | split over tp                     | dp x ep x cp       | "grad"        |
 | lm_head (after the final gather every tp rank computes the same full gradient) | dp x ep x cp | "grad" |
 | split over ep (routed experts)    | dp x cp x tp       | "grad_expert" |
 | every other (replicated) one      | dp x ep x cp x tp  | "grad_sp"     |
+
+Under FSDP (genolong.parallel.fsdp, sharding over SHARD_DIMS = fsdp x cp) that part of the sum is
+FSDP's reduce-scatter, and the rest runs on each rank's chunk over the same dimensions less fsdp
+and cp ("grad_shard", ...).
 
 Under sequence parallelism the tp ranks of a replicated parameter each see their own sequence
 shard (or, inside a mixer, only their heads' share of the gradient), so their parts add up over
@@ -67,10 +72,15 @@ _FULL_GRADIENT_ON_EVERY_TP_RANK = re.compile(_TAIL + r"lm_head\.weight$")
 
 # Flattened groups of the mesh (genolong.parallel.mesh): name -> mesh dimensions.
 REDUCE_GROUPS = {
-    "grad": ("dp", "ep", "cp"),
-    "grad_sp": ("dp", "ep", "cp", "tp"),
-    "grad_expert": ("dp", "cp", "tp"),
+    "grad": ("dp", "ep", "fsdp", "cp"),
+    "grad_sp": ("dp", "ep", "fsdp", "cp", "tp"),
+    "grad_expert": ("dp", "fsdp", "cp", "tp"),
 }
+# FSDP shards over these (flattened: the "shard" group): the fsdp ranks and the cp ranks, which
+# hold the same weights (torchtitan's dp_shard x cp).
+SHARD_DIMS = ("fsdp", "cp")
+# The sums less SHARD_DIMS: what is left after FSDP's reduce-scatter (each rank its own chunk).
+SHARD_REDUCE_GROUPS = {f"{name}_shard": tuple(d for d in dims if d not in SHARD_DIMS) for name, dims in REDUCE_GROUPS.items()}
 
 
 def placement(name: str) -> Split | None:
@@ -110,24 +120,28 @@ def shard_group(name: str, layout: ParallelLayout) -> str | None:
     return split.group if split_size(split, layout) > 1 else None
 
 
-def grad_reduce_group(name: str, layout: ParallelLayout) -> str:
+def grad_reduce_group(name: str, layout: ParallelLayout, *, sharded: bool = False) -> str | None:
     """The flattened mesh group over which the gradient of parameter `name` is summed (module docstring).
 
     Returns "grad" whenever the group has the same ranks as "grad", so a layout without tp and
-    ep needs no extra groups."""
+    ep needs no extra groups. sharded: the parameter is FSDP-sharded, its fsdp sum already done:
+    the group less SHARD_DIMS, None when that leaves a single rank."""
     split = placement(name)
     if split is not None and split.group == "ep":
-        dims = REDUCE_GROUPS["grad_expert"]
+        group = "grad_expert"
     elif split is not None or _FULL_GRADIENT_ON_EVERY_TP_RANK.search(name):
-        dims = REDUCE_GROUPS["grad"]
+        group = "grad"
     else:
-        dims = REDUCE_GROUPS["grad_sp"]
-    return canonical_group(dims, layout)
+        group = "grad_sp"
+    if sharded:
+        dims = SHARD_REDUCE_GROUPS[f"{group}_shard"]
+        return canonical_group(dims, layout) if _ranks_of(dims, layout) else None
+    return canonical_group(REDUCE_GROUPS[group], layout)
 
 
 def canonical_group(dims: tuple[str, ...], layout: ParallelLayout) -> str:
-    """The first name of REDUCE_GROUPS with the same ranks as the mesh dimensions `dims`."""
-    for group, group_dims in REDUCE_GROUPS.items():
+    """The first name of REDUCE_GROUPS (then SHARD_REDUCE_GROUPS) with the same ranks as the mesh dimensions `dims`."""
+    for group, group_dims in (*REDUCE_GROUPS.items(), *SHARD_REDUCE_GROUPS.items()):
         if _ranks_of(group_dims, layout) == _ranks_of(dims, layout):
             return group
     raise ValueError(f"no flattened group spans the dimensions {dims} of layout {layout}")
@@ -143,6 +157,15 @@ def ensure_reduce_groups(pmesh) -> None:
     for group, dims in REDUCE_GROUPS.items():
         if group != "grad":
             pmesh.mesh[dims]._flatten(group)
+
+
+def ensure_shard_reduce_groups(pmesh) -> None:
+    """Create FSDP's "shard" group and every group its chunks are summed over after its
+    reduce-scatter (collective)."""
+    ensure_reduce_groups(pmesh)
+    pmesh.mesh[SHARD_DIMS]._flatten("shard")
+    for group, dims in SHARD_REDUCE_GROUPS.items():
+        pmesh.mesh[dims]._flatten(group)
 
 
 def slice_parameters(model: torch.nn.Module, group: str, rank: int, size: int) -> list[str]:

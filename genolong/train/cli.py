@@ -72,7 +72,7 @@ def finetune(
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: start a local Ray).", show_default=False)] = None,
     parallel: Annotated[
         str | None,
-        typer.Option(help="Parallel layout, e.g. cp=2 or dp=2,tp=4 (dp, cp, tp, ep; default: one process, or dp = the processes torchrun started). docs/parallel.md.", show_default=False),
+        typer.Option(help="Parallel layout, e.g. cp=2, dp=2,tp=4 or fsdp=2,cp=2,ep=2 (dp, fsdp, cp, tp, ep; fsdp: FSDP2 over fsdp x cp; default: one process, or dp = the processes torchrun started). docs/parallel.md.", show_default=False),
     ] = None,
     dist_timeout_s: Annotated[float, typer.Option(help="Seconds a collective waits for a missing rank before the run fails.")] = 1800.0,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,

@@ -169,7 +169,7 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
     # Before the run directory is touched: a run refused for memory leaves nothing to clean up.
     layout = procs.layout
-    if layout.cp == layout.tp == layout.ep == 1:
+    if layout.cp == layout.tp == layout.ep == layout.fsdp == 1:
         # The plan assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
         _preflight(_model_config(options, resume_from), options, device)
     # Every rank has checked --out before rank 0 changes anything there.
@@ -181,6 +181,8 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     sampler = _open_sampler(options, *procs.coords("batch"))
     model, dna_map = _build_model(options, device, dtype, resume_from, procs)
     parallel = parallelize(model, options, procs.pmesh, kernels=resolve_kernels(options, device))
+    if _on_meta(model):
+        _materialise(model, options, device, resume_from, parallel)
     handle = parallel.memory
     balancer = ExpertBalancer(model, rate=options.balance_rate, aux_loss_coeff=options.aux_loss_coeff)
     indexer = IndexerTraining(
@@ -535,23 +537,33 @@ def _open_sampler(options: TrainOptions, rank: int = 0, ranks: int = 1):
 def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None, procs=None):
     """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
     A multi-process checkpoint's weights are loaded later (`_restore`), into the model after its
-    parallel passes."""
+    parallel passes; with tp, ep or fsdp the model comes back on the meta device (`_materialise`)."""
     from genolong.model import GenoLongForCausalLM, from_pretrained
     from genolong.model.vocab import dna_to_checkpoint_ids
 
     config = _model_config(options)
     layout = procs.layout if procs is not None else None
-    if layout is None or layout.cp == layout.tp == layout.ep == 1:
+    if layout is None or layout.cp == layout.tp == layout.ep == layout.fsdp == 1:
         # The plan below assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
         _preflight(config, options, device)
     dna_map = None
+    # With tp, ep or fsdp a rank holds part of the weights: it builds on the meta device and
+    # allocates and reads only its slices after the passes (_materialise).
+    sharded = _loads_sharded(procs)
     if resume_from is not None and dist_ckpt.is_distributed(resume_from):
-        model = dist_ckpt.build_model(resume_from, dtype, device)
+        model = dist_ckpt.build_model(resume_from, dtype, "meta" if sharded else device)
         ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
         dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
     elif resume_from is not None or options.model_path:
         source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
-        model = from_pretrained(source, dtype=dtype, device=device)
+        if sharded:
+            from genolong.model.checkpoint import read_config
+            from genolong.model.hf_config import from_hf
+            from genolong.parallel.sharded_load import build_meta
+
+            model = build_meta(from_hf(read_config(source), name=source.name), dtype)
+        else:
+            model = from_pretrained(source, dtype=dtype, device=device)
         if resume_from is not None:
             ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
             dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
@@ -568,6 +580,35 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
     return model, dna_map
 
 
+def _loads_sharded(procs) -> bool:
+    """Whether this run's ranks build the model on the meta device and read only their slices
+    (genolong.parallel.sharded_load): whenever a rank holds part of the weights (tp, ep, fsdp)."""
+    if procs is None or procs.pmesh is None:
+        return False
+    layout = procs.layout
+    return layout.tp > 1 or layout.ep > 1 or layout.fsdp > 1
+
+
+def _on_meta(model) -> bool:
+    return next(model.parameters()).device.type == "meta"
+
+
+def _materialise(model, options: TrainOptions, device: str, resume_from: Path | None, parallel) -> None:
+    """Allocate this rank's slices of a meta-built, parallelised model and fill them: from --model
+    (or a one-process checkpoint being resumed) by reading only those slices; a multi-process
+    checkpoint fills them later in _restore."""
+    from genolong.parallel.grad_sync import GradientSync
+    from genolong.parallel.sharded_load import load_pretrained_sharded, materialise
+
+    materialise(model, device)
+    if resume_from is None or not dist_ckpt.is_distributed(resume_from):
+        source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
+        report = load_pretrained_sharded(model, source, parallel.pmesh)
+        log.info(report.summary(source))
+    # The sync lists the parameters as they are after to_empty.
+    parallel.grads = GradientSync(model, parallel.pmesh)
+
+
 def _restore(ckpt: Path, model, optimizer, procs) -> dict:
     """Weights (multi-process format), optimizer and RNG from `ckpt`, saved at any layout; returns its trainer state."""
     if dist_ckpt.is_distributed(ckpt):
@@ -577,10 +618,10 @@ def _restore(ckpt: Path, model, optimizer, procs) -> dict:
     state = ckpt_io.load_trainer_state(ckpt)
     saved = ckpt_io.load_optimizer_state(ckpt, procs.device)
     try:
-        if procs.pmesh is not None and (procs.layout.tp > 1 or procs.layout.ep > 1):
+        if procs.pmesh is not None and (procs.layout.tp > 1 or procs.layout.ep > 1 or procs.layout.fsdp > 1):
             from genolong.parallel.tensor_state import load_full_state
 
-            # A one-process checkpoint holds whole tensors: each rank keeps its part.
+            # A one-process checkpoint holds whole tensors: each rank keeps its part (tp / ep part, fsdp chunk).
             local = optimizer.state_dict()
             load_full_state({k: v for k, v in local.items() if not k.startswith("step")}, saved, procs.pmesh)
             saved = {**local, **{k: v for k, v in saved.items() if k.startswith("step")}}

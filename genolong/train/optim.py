@@ -13,6 +13,11 @@ _BUCKET_BYTES of fp32 each: a few calls per bucket instead of ~10 per parameter 
 hundreds of small tensors), while the fp32 gradient copies of bf16 parameters exist for one
 bucket at a time, never for the whole model.
 
+Under FSDP (genolong.parallel.fsdp) a parameter and its gradient are DTensors holding this
+rank's chunk: the optimizer works on the chunks (`_local`), so masters and moments are sharded
+too, and `state_dict()` returns them as DTensors laid out as their parameters (what
+torch.distributed.checkpoint needs to save and load them at any layout).
+
 A step may update only some parameters (`step(..., only=names)`: the DSA indexer's warm-up,
 genolong/train/indexer.py). Each parameter then counts its own steps for Adam's bias
 correction, so the rest of the model starts its own updates later as if from step 1; when
@@ -25,6 +30,7 @@ import math
 from collections.abc import Collection
 
 import torch
+from torch.distributed.tensor import DTensor
 
 # fp32 bytes of parameters updated by one group of multi-tensor calls.
 _BUCKET_BYTES = 256 << 20
@@ -50,7 +56,7 @@ class MasterAdamW:
         no_decay = no_decay or default_no_decay
         self.decay = {name: not no_decay(name, p) for name, p in self.params.items()}
         self.master = {
-            name: (p.detach() if p.dtype == torch.float32 else p.detach().float().clone()) for name, p in self.params.items()
+            name: (_local(p.detach()) if p.dtype == torch.float32 else _local(p.detach()).float().clone()) for name, p in self.params.items()
         }
         self.exp_avg = {name: torch.zeros_like(m) for name, m in self.master.items()}
         self.exp_avg_sq = {name: torch.zeros_like(m) for name, m in self.master.items()}
@@ -67,7 +73,7 @@ class MasterAdamW:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for p in self.params.values():
             if p.grad is not None:
-                by_device.setdefault(p.grad.device, []).append(p.grad)
+                by_device.setdefault(p.grad.device, []).append(_local(p.grad))
         total = 0.0
         for grads in by_device.values():
             # fp32 accumulation without an fp32 copy of the gradient (the embedding's is GiBs).
@@ -90,7 +96,7 @@ class MasterAdamW:
             masters = [self.master[n] for n in names]
             m = [self.exp_avg[n] for n in names]
             v = [self.exp_avg_sq[n] for n in names]
-            g = [self.params[n].grad.float() for n in names]
+            g = [_local(self.params[n].grad).float() for n in names]
             if grad_scale != 1.0:
                 g = torch._foreach_mul(g, grad_scale)
             if decay and self.weight_decay:
@@ -102,9 +108,9 @@ class MasterAdamW:
             torch._foreach_div_(denom, math.sqrt(bias2))
             torch._foreach_add_(denom, self.eps)
             torch._foreach_addcdiv_(masters, m, denom, value=-lr / bias1)
-            copies = [n for n in names if self.master[n].data_ptr() != self.params[n].data_ptr()]
+            copies = [n for n in names if self.master[n].data_ptr() != _local(self.params[n]).data_ptr()]
             if copies:
-                torch._foreach_copy_([self.params[n] for n in copies], [self.master[n] for n in copies])
+                torch._foreach_copy_([_local(self.params[n]) for n in copies], [self.master[n] for n in copies])
             del g, denom
 
     def _buckets(self, names: list[str]) -> list[tuple[tuple[bool, int], list[str]]]:
@@ -118,7 +124,7 @@ class MasterAdamW:
             if p.grad is None:
                 continue
             key = (p.device, self.decay[name], self.param_steps[name])
-            nbytes = 4 * p.numel()
+            nbytes = 4 * _local(p).numel()
             runs = groups.setdefault(key, [[]])
             if runs[-1] and sizes[key] + nbytes > _BUCKET_BYTES:
                 runs.append([])
@@ -128,14 +134,15 @@ class MasterAdamW:
         return [((decay, steps), run) for (_, decay, steps), runs in groups.items() for run in runs]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Flat {name: tensor} (safetensors-ready); the step count is a 0-d tensor."""
+        """Flat {name: tensor} (safetensors-ready); the step count is a 0-d tensor. The tensors of an
+        FSDP-sharded parameter are DTensor views of this rank's chunks (no copy)."""
         out: dict[str, torch.Tensor] = {"step": torch.tensor(self.step_count, dtype=torch.int64)}
-        for name in self.params:
+        for name, p in self.params.items():
             if self.param_steps[name] != self.step_count:
                 out[f"step.{name}"] = torch.tensor(self.param_steps[name], dtype=torch.int64)
-            out[f"master.{name}"] = self.master[name]
-            out[f"exp_avg.{name}"] = self.exp_avg[name]
-            out[f"exp_avg_sq.{name}"] = self.exp_avg_sq[name]
+            out[f"master.{name}"] = _like(self.master[name], p)
+            out[f"exp_avg.{name}"] = _like(self.exp_avg[name], p)
+            out[f"exp_avg_sq.{name}"] = _like(self.exp_avg_sq[name], p)
         return out
 
     @torch.no_grad()
@@ -146,11 +153,24 @@ class MasterAdamW:
         self.step_count = int(state["step"])
         for name, p in self.params.items():
             self.param_steps[name] = int(state.get(f"step.{name}", self.step_count))
-            self.master[name].copy_(state[f"master.{name}"])
-            self.exp_avg[name].copy_(state[f"exp_avg.{name}"])
-            self.exp_avg_sq[name].copy_(state[f"exp_avg_sq.{name}"])
-            if self.master[name].data_ptr() != p.data_ptr():
-                p.copy_(self.master[name])
+            for kind, mine in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                saved = _local(state[f"{kind}.{name}"])
+                if saved.data_ptr() != mine[name].data_ptr():
+                    mine[name].copy_(saved)
+            if self.master[name].data_ptr() != _local(p).data_ptr():
+                _local(p).copy_(self.master[name])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of an FSDP-sharded tensor (a view), any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`value` (param's local chunk's shape) as a DTensor laid out as an FSDP-sharded `param`."""
+    if not isinstance(param, DTensor):
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False)
 
 
 def default_no_decay(name: str, p: torch.Tensor) -> bool:

@@ -13,14 +13,17 @@ modules so that print(model) shows it, and none changes a state-dict key or a pa
 5. recompute,        Recompute(DecoderLayer), Offload(Recompute(...)) (genolong.train.memory); with --tile,
    offload           Tiled(DecoderLayer) (genolong.train.tiling: the layer in checkpointed sequence tiles)
 6. compile           Compiled* subclasses of the small-op modules (genolong.train.compile)
-7. gradient sync     genolong.parallel.grad_sync.GradientSync over the mesh's gradient groups
+7. fsdp              genolong.parallel.fsdp.apply_fsdp: FSDP2 (fully_shard) per decoder layer and the root
+8. gradient sync     genolong.parallel.grad_sync.GradientSync over the mesh's gradient groups
 
 Why this order: the parallel passes replace modules' math and slice parameters, so every pass
 that wraps a module must see their modules (MoE chunks run through the expert-parallel
 dispatch, recompute replays the context-parallel exchange); chunking sits inside a layer, so
 before the layer wrappers; offload hooks must enclose the recompute's checkpoint; compile
-switches the small modules last, where nothing replaces them again; the gradient sync needs the
-final parameters. A single process (pmesh None) gets passes 1 and 4-6: today's one-GPU run.
+switches the small modules last, where nothing replaces them again; FSDP shards the parameters the
+module passes left (tp / ep parts) and hooks the outermost wrapper of each layer, so its gathers
+enclose the recompute and the offload (as torchtitan: TP, AC, compile, then FSDP); the gradient
+sync needs the final (sharded) parameters. A single process (pmesh None) gets passes 1 and 4-6: today's one-GPU run.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from genolong.errors import GenolongError
 from genolong.model import ops
 
-PASS_ORDER = ("kernel policy", "tensor/expert parallel", "context parallel", "MoE chunking", "recompute + offload", "compile", "gradient sync")
+PASS_ORDER = ("kernel policy", "tensor/expert parallel", "context parallel", "MoE chunking", "recompute + offload", "compile", "fsdp", "gradient sync")
 
 
 @dataclass
@@ -83,6 +86,8 @@ def parallelize(model: torch.nn.Module, options, pmesh=None, *, kernels: str = o
         # compiling it would replace them, so the pass compiles the norms, router and MLP only.
         compiled = apply_compile(model, mhc=not on_gpu or kernels == ops.REFERENCE)
     grads = None
+    if pmesh is not None and pmesh.layout.fsdp > 1:
+        _parallel_pass("fsdp", "apply_fsdp", f"fsdp={pmesh.layout.fsdp}")(model, pmesh)
     if pmesh is not None:
         from genolong.parallel.grad_sync import GradientSync
 

@@ -117,6 +117,12 @@ def plan(
     if top < 1:
         raise GenolongError(f"--top must be at least 1, got {top}")
     layout = parse_layout(parallel) if parallel else None
+    if layout is not None and layout.fsdp > 1:
+        # The plan's terms have no fsdp dimension: its --fsdp shards over every replica instead.
+        raise GenolongError(
+            f"--parallel {layout}: the plan does not model finetune's fsdp dimension yet; plan it as dp={layout.dp * layout.fsdp} "
+            "with --fsdp (sharding over every replica: a lower bound on finetune's fsdp x cp sharding)"
+        )
     if device == "cpu" and (gpus not in (None, 1) or layout is not None or suggest):
         raise GenolongError("--device cpu plans one process; drop --gpus / --parallel / --suggest")
     if gpus is not None and layout is not None and gpus != layout.world_size:
