@@ -194,6 +194,21 @@ def test_bad_input_is_one_clear_line(world, monkeypatch, capsys, tmp_path, over,
     assert not (tmp_path / "e" / "positional.json").exists()
 
 
+def test_a_missing_checkpoint_is_reported_before_the_default_bucket(world, monkeypatch, capsys, tmp_path):
+    # --seq under 32k without --bucket: the real problem (no such checkpoint) is what the line names.
+    code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path, **{"--checkpoint": "nowhere", "--bucket": None}))
+    assert code == 2 and "--checkpoint nowhere: no such file or directory" in err and "--bucket" not in err, err
+
+
+def test_the_default_bucket_follows_a_short_seq(world, monkeypatch, capsys, tmp_path):
+    out = tmp_path / "e"
+    args = bad(world, tmp_path, **{"--bucket": None, "--out": out})
+    code, _, err = genolong(monkeypatch, capsys, *args, "--controls", "none", "--bootstrap", "20", "--max-windows", "1",
+                            "--max-n-fraction", "0.5", "--markov-max-order", "2")
+    assert code == 0, err
+    assert json.loads((out / "positional.json").read_text())["bucket"] == 512 // 16
+
+
 def test_a_second_checkpoint_is_refused_not_silently_dropped(world, monkeypatch, capsys, tmp_path):
     args = bad(world, tmp_path)
     args[args.index("--checkpoint") + 1 : args.index("--checkpoint") + 1] = [str(world["run"]), "--checkpoint"]
