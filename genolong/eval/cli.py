@@ -176,18 +176,23 @@ def eval_positional(
         typer.echo(message, err=True)
 
     ops.reset_audit()
-    with ops.policy(policy):
-        evaluate(
-            settings,
-            {role: r.spec for role, r in resolved.items()},
-            windows,
-            make_scorer,
-            data_identity=data_identity,
-            data_path=str(Path(data).resolve()),
-            markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=note),
-            note=note,
-            share=share,
-        )
+    try:
+        with ops.policy(policy):
+            evaluate(
+                settings,
+                {role: r.spec for role, r in resolved.items()},
+                windows,
+                make_scorer,
+                data_identity=data_identity,
+                data_path=str(Path(data).resolve()),
+                markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=note),
+                note=note,
+                share=share,
+            )
+    except KeyboardInterrupt:
+        # click would print nothing (or a bare "Aborted!"): say where the scores stand and what to type.
+        typer.echo(f"genolong: interrupted; the windows scored so far are kept in {out}: run the same command again to continue", err=True)
+        raise typer.Exit(130) from None
     writer = share.main
     if pmesh is not None:
         from genolong.parallel.mesh import leave_together

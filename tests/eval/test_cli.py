@@ -209,6 +209,19 @@ def test_the_default_bucket_follows_a_short_seq(world, monkeypatch, capsys, tmp_
     assert json.loads((out / "positional.json").read_text())["bucket"] == 512 // 16
 
 
+def test_ctrl_c_prints_one_line_and_exits_130(world, monkeypatch, capsys, tmp_path):
+    from genolong.eval import run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "evaluate", interrupted)
+    code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path))
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("genolong: interrupted;"), err
+    assert "run the same command again to continue" in lines[0]
+
+
 def test_a_second_checkpoint_is_refused_not_silently_dropped(world, monkeypatch, capsys, tmp_path):
     args = bad(world, tmp_path)
     args[args.index("--checkpoint") + 1 : args.index("--checkpoint") + 1] = [str(world["run"]), "--checkpoint"]
