@@ -19,11 +19,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    # Help texts are plain text: "[default: ...]" must print, not be taken for rich markup.
-    rich_markup_mode="markdown",
+    # Plain click help: rich's option tables cut long flag names with "..." in a narrow terminal
+    # and print a "<bool>" metavar on switches that take no value.
+    rich_markup_mode=None,
 )
-
-
 
 @app.callback()
 def _root() -> None:

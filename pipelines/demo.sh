@@ -60,3 +60,4 @@ $G eval-positional $(overwrite_if_changed) --data "$DATA" --checkpoint "$LONG" -
 stage "done"
 echo "plot: $EVAL/positional.png"
 echo "tables: $EVAL/positional.csv $EVAL/positional.json; notebook: notebooks/analysis.ipynb (reads $LONG and $EVAL)"
+echo "genolong itself: $G --help (or \`source .venv/bin/activate\`, then plain genolong)"

@@ -1,10 +1,15 @@
 import os
 
-import pytest
-import torch
+# One intra-op thread for the whole suite (and, through the environment, every process it starts):
+# the test models are tiny, so a second thread gains nothing, and when the two cores are busy
+# OpenMP threads spin-waiting on each other made a small op ~20x slower (eval-positional's end-to-end
+# test: 303 s with two threads, 20 s with one, on the shared 2-core machine). OMP_NUM_THREADS overrides.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Keep CPU tests deterministic and light on the 2-core CI machine.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

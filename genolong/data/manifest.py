@@ -6,6 +6,7 @@ from pathlib import Path
 import genolong
 from genolong.errors import GenolongError
 from genolong.vocab import DNA_VOCAB
+from genolong.invocation import command
 
 FORMAT = "genolong-prepared"
 FORMAT_VERSION = 1
@@ -73,7 +74,7 @@ def write(root: Path, manifest: dict) -> None:
 
 def read(root: Path) -> dict:
     """The manifest of a prepared directory, or a GenolongError saying how to make one."""
-    redo = f"run `genolong prepare --fasta GENOME.fa --out {root}` (add --overwrite to replace it)"
+    redo = f"run `{command()} prepare --fasta GENOME.fa --out {root}` (add --overwrite to replace it)"
     if not root.is_dir():
         raise GenolongError(f"prepared data directory {str(root)!r} does not exist: {redo}")
     path = root / FILENAME

@@ -190,6 +190,17 @@ def _refuse_empty(named_lengths) -> None:
             raise GenolongError(f"record {name!r} has no bases: choose another record for that split")
 
 
+def _refuse_all_n(splits: dict[str, list[str]], shards: dict) -> None:
+    """A train or holdout split with no A, C, G or T would only fail later (finetune finds no window,
+    eval no target)."""
+    for split, names in splits.items():
+        if split in ("train", "holdout") and names and all(shards[name][1].n_count == shards[name][1].length for name in names):
+            raise GenolongError(
+                f"the {split} split ({', '.join(names)}) is all N: it has no base to learn from or score; "
+                "choose records with sequence for it"
+            )
+
+
 def _read_streaming(source: FastaSource, requested, recorder: _Recorder, progress: Progress, log):
     """One pass over the file: requested records (and their aliases) are encoded, others only counted."""
     wanted = candidates(requested)
@@ -344,6 +355,7 @@ def prepare(
                 recorder.close()
         for asked, used in renamed:
             log(f"record {asked!r} is called {used!r} in {source.path.name}: using {used!r}")
+        _refuse_all_n(splits, recorder.shards)
         sha256 = hasher.hexdigest()
         split_of = {name: split for split, names in splits.items() for name in names}
         records = [

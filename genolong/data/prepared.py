@@ -10,6 +10,7 @@ import pyarrow as pa
 from genolong.data import manifest as manifest_io
 from genolong.data import store
 from genolong.errors import GenolongError
+from genolong.invocation import command
 
 
 class PreparedGenome:
@@ -59,7 +60,7 @@ def open_prepared(path: str | os.PathLike) -> PreparedGenome:
     """Opens and checks a prepared directory against its manifest; GenolongError with the fix if bad."""
     root = Path(path)
     manifest = manifest_io.read(root)
-    redo = f"re-run `genolong prepare ... --out {root} --overwrite`"
+    redo = f"re-run `{command()} prepare ... --out {root} --overwrite`"
     try:
         listed = json.loads((root / "dataset_dict.json").read_text())["splits"]
     except (OSError, ValueError, KeyError):

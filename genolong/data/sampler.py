@@ -107,9 +107,16 @@ class WindowSampler:
                 else:
                     tokens, mask = tokens.copy(), mask.copy()
                 return Window(tokens, mask, name, start, reverse)
+        found = f"no window of {format_length(self.length)} bases"
+        if self.max_n_fraction >= 1.0:
+            # Only all-N windows are refused: raising the limit cannot help.
+            raise GenolongError(
+                f"{found} with any base other than N found in split {self.split!r} after {MAX_TRIES} tries: "
+                "the split is (almost) all N; prepare it from records with sequence"
+            )
         raise GenolongError(
-            f"no window of {format_length(self.length)} bases with at most {self.max_n_fraction:.0%} N found in split "
-            f"{self.split!r} after {MAX_TRIES} tries: raise max_n_fraction or use shorter windows"
+            f"{found} with at most {self.max_n_fraction:.0%} N found in split {self.split!r} after {MAX_TRIES} tries: "
+            f"raise --max-n-fraction (now {self.max_n_fraction:g}) or use a shorter --seq"
         )
 
     def __iter__(self) -> Iterator[Window]:

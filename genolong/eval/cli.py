@@ -23,7 +23,7 @@ def eval_positional(
         typer.Option(help="The model before fine-tuning (same forms as --checkpoint). Default: the run's step 0, else the model it started from."),
     ] = None,
     seq: Annotated[str, typer.Option(help="Window length (tokens); holdout records are tiled into non-overlapping windows.")] = "512k",
-    bucket: Annotated[str, typer.Option(help="Position bucket width.")] = "32k",
+    bucket: Annotated[str, typer.Option(help="Position bucket width; auto = 32k, or a sixteenth of --seq for windows under 512k.")] = "auto",
     control_context: Annotated[
         str,
         typer.Option(
@@ -85,7 +85,21 @@ def eval_positional(
     from genolong.train.memory import apply_memory_optimizations
     from genolong.train.options import MemoryOptions
 
+    # The inputs a user names first, before the layout: a missing checkpoint must be reported as
+    # such, not as a bucket that does not fit a short --seq.
+    if not data.is_dir():
+        raise GenolongError(f"--data {data}: no such directory; pass the --out directory of `genolong prepare`")
+    if len(checkpoint) != 1:
+        raise GenolongError(
+            f"--checkpoint given {len(checkpoint)} times ({', '.join(checkpoint)}): eval-positional compares one fine-tuned "
+            "model with its --baseline; run it once per model (each into its own --out)"
+        )
+    checkpoint = checkpoint[0]
+    resolved = {"checkpoint": models.resolve(checkpoint, "--checkpoint")}
+    resolved["baseline"] = models.resolve(baseline, "--baseline") if baseline else models.default_baseline(checkpoint)
+
     seq_len = parse_length(seq, "--seq")
+    bucket_len = min(32 * 1024, max(1, seq_len // 16)) if str(bucket).strip() == "auto" else parse_length(bucket, "--bucket")
     control_text = str(control_context).strip()
     if control_text == "auto":
         control = min(32 * 1024, seq_len // 4) or None
@@ -94,7 +108,7 @@ def eval_positional(
     wanted = tuple(c.strip() for c in controls.split(",") if c.strip() and c.strip() != "none")
     if not wanted:
         control = None
-    layout = Layout(seq=seq_len, bucket=parse_length(bucket, "--bucket"), control=control, controls=wanted)
+    layout = Layout(seq=seq_len, bucket=bucket_len, control=control, controls=wanted)
     chunk = parse_length(loss_chunk, "--loss-chunk") if loss_chunk is not None else None
     if chunk is not None and chunk < 1:
         raise GenolongError(f"--loss-chunk must be at least 1, got {loss_chunk}")
@@ -106,17 +120,6 @@ def eval_positional(
         raise GenolongError(f"--max-windows must be at least 1, got {max_windows}")
     if not 0.0 <= max_n_fraction < 1.0:
         raise GenolongError(f"--max-n-fraction must be in [0, 1), got {max_n_fraction}")
-    if not data.is_dir():
-        raise GenolongError(f"--data {data}: no such directory; pass the --out directory of `genolong prepare`")
-
-    if len(checkpoint) != 1:
-        raise GenolongError(
-            f"--checkpoint given {len(checkpoint)} times ({', '.join(checkpoint)}): eval-positional compares one fine-tuned "
-            "model with its --baseline; run it once per model (each into its own --out)"
-        )
-    checkpoint = checkpoint[0]
-    resolved = {"checkpoint": models.resolve(checkpoint, "--checkpoint")}
-    resolved["baseline"] = models.resolve(baseline, "--baseline") if baseline else models.default_baseline(checkpoint)
 
     dev = runtime.pick_device(device)
     share, dev, pmesh = _rank_share(parallel, dev)
@@ -173,18 +176,23 @@ def eval_positional(
         typer.echo(message, err=True)
 
     ops.reset_audit()
-    with ops.policy(policy):
-        evaluate(
-            settings,
-            {role: r.spec for role, r in resolved.items()},
-            windows,
-            make_scorer,
-            data_identity=data_identity,
-            data_path=str(Path(data).resolve()),
-            markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=note),
-            note=note,
-            share=share,
-        )
+    try:
+        with ops.policy(policy):
+            evaluate(
+                settings,
+                {role: r.spec for role, r in resolved.items()},
+                windows,
+                make_scorer,
+                data_identity=data_identity,
+                data_path=str(Path(data).resolve()),
+                markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=note),
+                note=note,
+                share=share,
+            )
+    except KeyboardInterrupt:
+        # click would print nothing (or a bare "Aborted!"): say where the scores stand and what to type.
+        typer.echo(f"genolong: interrupted; the windows scored so far are kept in {out}: run the same command again to continue", err=True)
+        raise typer.Exit(130) from None
     writer = share.main
     if pmesh is not None:
         from genolong.parallel.mesh import leave_together

@@ -29,6 +29,7 @@ from genolong.errors import GenolongError
 from genolong.eval.fingerprint import model_fingerprint
 from genolong.eval.run import ModelSpec
 from genolong.vocab import DNA_BASES, DNA_MODEL_VOCAB_SIZE
+from genolong.invocation import command
 
 _AT_STEP = re.compile(r"^(?P<run>.+)@(?P<step>\d+|latest)$")
 
@@ -101,7 +102,7 @@ def resolve(text: str, flag: str) -> Resolved:
         run = ckpt_dir.parent.parent
         raise GenolongError(
             f"{flag} {text}: {ckpt_dir.name} was saved by a multi-process run (torch.distributed.checkpoint); export it first with "
-            f"`genolong export --run {run} --step {_step_of(ckpt_dir)} --out DIR` and pass DIR"
+            f"`{command()} export --run {run} --step {_step_of(ckpt_dir)} --out DIR` and pass DIR"
         )
     if ckpt_dir is not None:
         state = ck.load_trainer_state(ckpt_dir)

@@ -35,7 +35,9 @@ def eval_recall(
     kernels: Annotated[
         Optional[str], typer.Option(help="Ops policy: fused, auto or reference (default: fused on CUDA, reference on CPU).")
     ] = None,
-    loss_chunk: Annotated[Optional[int], typer.Option(help="Tokens per LM-head chunk (default: ~256 MiB of fp32 hidden states).")] = None,
+    loss_chunk: Annotated[
+        Optional[str], typer.Option(help="Tokens per loss chunk, e.g. 2k or 4096, as in finetune (default: ~256 MiB of fp32 hidden states).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
 ) -> None:
@@ -64,6 +66,7 @@ def eval_recall(
     else:
         picked = tuple(sorted(parse_length(d, "--distances") for d in str(distances).split(",") if d.strip()))
     layout = RecallLayout(seq=seq_len, length=length, distances=picked, skip=skip)
+    chunk = parse_length(loss_chunk, "--loss-chunk") if loss_chunk is not None else None
     if bootstrap < 1 or windows < 1:
         raise GenolongError(f"--bootstrap and --windows must be at least 1, got {bootstrap} and {windows}")
     if not 0.0 <= max_n_fraction < 1.0:
@@ -104,7 +107,7 @@ def eval_recall(
         # MoE over the sequence in chunks, as in training and eval-positional; no backward here.
         apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
         # Bits over A, C, G, T (the model's probabilities renormalised over the four bases), as eval-positional.
-        return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=loss_chunk)
+        return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=chunk)
 
     settings = RecallSettings(
         layout=layout,

@@ -211,7 +211,9 @@ def recovery_hint(run_dir: str | Path) -> str:
     """What to type next for a run that stopped early (one clause, for error and interrupt lines)."""
     if latest(run_dir) is None:
         return f"no complete checkpoint yet: start it again with the same command plus --overwrite (replaces {run_dir})"
-    return f"{describe_progress(run_dir)}: continue with `genolong finetune --resume {run_dir}`"
+    from genolong.invocation import command
+
+    return f"{describe_progress(run_dir)}: continue with `{command()} finetune --resume {run_dir}`"
 
 
 def refuse_occupied(out: str | Path) -> None:

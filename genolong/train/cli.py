@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from genolong.errors import GenolongError
+from genolong.train.resume_flags import changeable_flags
 from genolong.train.plan_cli import plan  # noqa: F401  (mounted by genolong.cli)
 
 _MEM = "Memory optimizations (each one can be turned off; --baseline: all off)"
@@ -29,8 +30,8 @@ def finetune(
     resume: Annotated[
         str | None,
         typer.Option(
-            help="Continue the run in this directory from its latest complete checkpoint with its own options; only --steps, --stop-after, "
-            "--save-every, --keep-last and where it runs (--device, --dtype, --kernels, --compile, --launcher, --progress) can change.",
+            help="Continue the run in this directory from its latest complete checkpoint with its own options; only "
+            f"{changeable_flags()} can change.",
             show_default=False,
         ),
     ] = None,
@@ -156,6 +157,8 @@ def finetune(
     """Fine-tune (or train from scratch) on a prepared genome at 512k-1M tokens per sequence.
 
     Examples:
+
+    \b
     genolong finetune --data data/hg38 --seq 512k --preset glm53-mini --out runs/a
     genolong finetune --data data/hg38 --seq 128k --model /ckpt/glm5 --out runs/b
     genolong finetune --resume runs/a [--steps 120]

@@ -237,7 +237,7 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
     if procs.main:
         jsonl = JsonlLog(run_dir / ckpt_io.METRICS_FILE, truncate_after_step=start if resume_from is not None else None)
         tensorboard = TensorBoardLog(run_dir, options.tensorboard)
-        progress = progress_display(options.steps, start, options.progress)
+        progress = progress_display(options.steps, start, options.progress, compiling=device.startswith("cuda"))
     else:
         jsonl = tensorboard = progress = _Discard()
     records: list[dict] = []

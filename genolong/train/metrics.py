@@ -115,32 +115,32 @@ class TensorBoardLog:
 class Progress:
     """A rich progress bar with the latest loss, tokens/s, MFU and memory (off: no output at all)."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
+    def __init__(self, total: int, start: int, enabled: bool, compiling: bool = False):
+        from genolong.train.progress_lines import FIRST_STEP_CPU, FIRST_STEP_GPU, Pace
+
         self._bar = None
+        self._total = total
+        self._pace = Pace()
         if not enabled:
             return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            TextColumn,
-            TimeRemainingColumn,
-        )
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
         from rich.progress import Progress as RichProgress
 
-        self._bar = RichProgress(
-            TextColumn("[bold]finetune"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"),
-        )
-        self._task = self._bar.add_task("train", total=total, completed=start, info="")
+        # No rich TimeRemainingColumn: it extrapolates from the first step, which compiles (minutes).
+        self._bar = RichProgress(TextColumn("[bold]finetune"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"))
+        self._task = self._bar.add_task("train", total=total, completed=start, info=FIRST_STEP_GPU if compiling else FIRST_STEP_CPU)
         self._bar.start()
 
     def update(self, record: StepRecord) -> None:
+        from genolong.train.progress_lines import time_left
+
+        per_step = self._pace.update(record.step)
         if self._bar is None:
             return
         parts = [f"loss {record.loss:.4f}", f"{record.tokens_per_s:,.0f} tok/s"]
+        left = time_left(per_step, self._total - record.step)
+        if left:
+            parts.insert(0, left)
         if record.mfu is not None:
             parts.append(f"MFU {100 * record.mfu:.1f}%")
         if record.peak_gpu_gib is not None:

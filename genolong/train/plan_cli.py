@@ -169,6 +169,13 @@ def plan(
     console = Console()
     if not console.is_terminal:  # a pipe or a log: wide enough that the tables keep one line per row
         console = Console(width=160)
+    if device == "cuda" and getattr(ctx.get_parameter_source("gpu_type"), "name", "") == "DEFAULT":
+        import torch
+
+        if not torch.cuda.is_available():
+            # The plan is for a GPU this machine does not have: say which one it assumed.
+            console.print(f"no GPU here: planned for an H200 ({gpu_memory_bytes(gpu_type) / GIB:.0f} GiB; --gpu-type h100, b200 or GiB for "
+                          "another, --device cpu for a CPU run)", highlight=False)
     if device == "cpu":
         # --node-ram-gib: the machine the run is for (default: this one's RAM).
         est = estimate_cpu_memory(config, seq_len, opts, batch=micro, dtype_bytes=dtype_bytes, ram_bytes=host_bytes)

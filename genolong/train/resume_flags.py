@@ -29,7 +29,7 @@ from genolong.units import parse_length
 
 PER_INVOCATION = ("stop_after", "device", "dtype", "kernels", "compile", "launcher", "ray_address", "parallel", "dist_timeout_s", "progress")
 PER_RUN = ("steps", "save_every", "keep_last")
-CHANGEABLE = PER_INVOCATION + PER_RUN
+CHANGEABLE = PER_RUN + PER_INVOCATION
 # Read with the default when not given (they describe this invocation, not the run).
 _ALWAYS_FROM_COMMAND_LINE = ("stop_after", "launcher", "parallel", "progress")
 _NOT_OPTIONS = ("resume", "ctx", "overwrite")
@@ -63,12 +63,12 @@ def resume_options(run_dir: str, values: dict[str, Any], given: set[str]) -> Tra
         if matches is None:
             raise GenolongError(
                 f"{_flag(name, values[name])} cannot be combined with --resume {run_dir} (it is not one of the flags a resumed "
-                f"run can change: {_changeable()}); drop it, or start a new run (a new --out, or --overwrite)"
+                f"run can change: {changeable_flags()}); drop it, or start a new run (a new --out, or --overwrite)"
             )
         if not matches:
             raise GenolongError(
                 f"{_flag(name, values[name])} differs from the run's own setting ({_saved(name, options)}): --resume continues "
-                f"{run_dir} with the options it was started with, and only {_changeable()} can change; drop "
+                f"{run_dir} with the options it was started with, and only {changeable_flags()} can change; drop "
                 f"{_flag(name, values[name]) if isinstance(values[name], bool) else _flag(name)}, "
                 "or start a new run with it (a new --out, or --overwrite)"
             )
@@ -79,8 +79,10 @@ def resume_options(run_dir: str, values: dict[str, Any], given: set[str]) -> Tra
     return options
 
 
-def _changeable() -> str:
+def changeable_flags() -> str:
+    """The flags --resume accepts, as `finetune --help`, its errors and the README list them."""
     return ", ".join(_flag(n) for n in CHANGEABLE)
+
 
 
 def _flag(name: str, value: Any = None) -> str:
@@ -134,4 +136,7 @@ def _saved(name: str, options: TrainOptions) -> str:
     if name == "baseline":
         return "memory switches " + ", ".join(f"{k}={getattr(options.memory, k)}" for k in _SWITCHES)
     target = _target(name)
-    return repr(_get(options, target[0])) if target else "?"
+    if target is None:
+        return "not a run option"
+    saved = _get(options, target[0])
+    return "not set" if saved is None else repr(saved)

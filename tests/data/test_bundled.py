@@ -22,7 +22,7 @@ def test_bundled_files_are_small_and_documented():
 
 
 def test_prepare_bundled_through_the_cli(tmp_path):
-    result = run_cli("prepare", "--fasta", "bundled", "--out", str(tmp_path / "demo"))
+    result = run_cli("prepare", "--fasta", "bundled", "--out", str(tmp_path / "demo"), fresh=True)
     assert result.returncode == 0, result.stderr
     pg = open_prepared(tmp_path / "demo")
     assert pg.records("train") == [(BUNDLED_TRAIN, LENGTHS[BUNDLED_TRAIN])]

@@ -325,3 +325,14 @@ def test_memory_grows_by_a_few_bytes_per_base_of_the_largest_record(tmp_path):
         f"prepare({str(fasta)!r}, {str(tmp_path / 'out')!r}, progress=False, log=print)"
     )
     assert (peak - baseline) / (bases >> 20) < 4.5
+
+
+@pytest.mark.parametrize("split", ["train", "holdout"])
+def test_an_all_n_split_is_refused_in_one_line_and_leaves_nothing(tmp_path, split):
+    records = [("chr1", "ACGT" * 50), ("chr2", "N" * 300)]
+    fasta = write_text_fasta(tmp_path / "g.fa", records, width=60)
+    splits = {"train": "chr1", "holdout": "chr1"} | {split: "chr2"}
+    with pytest.raises(GenolongError, match=rf"the {split} split \(chr2\) is all N: .*choose records with sequence") as err:
+        prepare(fasta, tmp_path / "out", **splits, progress=False, log=lambda _m: None)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["g.fa"]

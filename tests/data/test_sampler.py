@@ -114,8 +114,12 @@ def test_n_fraction_limit_and_never_all_n(genome):
     windows = _take(WindowSampler(pg, "holdout", 100, seed=2, max_n_fraction=1.0), 300)
     assert all((w.tokens != 4).any() for w in windows)
     assert any(w.record == "chr3" and (w.tokens == 4).any() for w in windows)
-    with pytest.raises(GenolongError, match="after 1000 tries"):
+    with pytest.raises(GenolongError, match="after 1000 tries") as all_n:
         next(iter(WindowSampler(pg, "validation", 100, seed=0, max_n_fraction=1.0)))
+    # The limit is already 1.0: raising it cannot help, so the line does not advise it.
+    assert "is (almost) all N" in str(all_n.value) and "max-n-fraction" not in str(all_n.value)
+    with pytest.raises(GenolongError, match=r"raise --max-n-fraction \(now 0.1\) or use a shorter --seq"):
+        next(iter(WindowSampler(pg, "validation", 100, seed=0, max_n_fraction=0.1)))
 
 
 def test_impossible_requests_are_refused(genome):

@@ -80,10 +80,16 @@ def direct_full(model, tokens, token_map=(0, 1, 2, 3, 4)):
     return -F.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].numpy() / math.log(2)
 
 
-def direct_control(model, tokens, j):
-    """Bits of target j given only tokens[s - C : j], s = start of j's control block: one forward per target."""
-    s = (j // CONTROL) * CONTROL
-    return direct_full(model, tokens[s - CONTROL : j + 1])[-1]
+def direct_control(model, tokens, targets):
+    """Bits of each target j given only tokens[s - C : j], s = start of j's control block. One forward
+    of tokens[s - C :] per block serves all its targets: the model is causal, so the logits at j
+    see exactly tokens[s - C : j] (direct_full relies on the same for the full context)."""
+    bits = {}
+    for s in sorted({(j // CONTROL) * CONTROL for j in targets}):
+        mine = [j for j in targets if (j // CONTROL) * CONTROL == s]
+        full = direct_full(model, tokens[s - CONTROL : max(mine) + 1])
+        bits.update({j: full[j - (s - CONTROL) - 1] for j in mine})
+    return bits
 
 
 ARGS = ("--seq", "512", "--bucket", "128", "--control-context", "128", "--bootstrap", "200",
@@ -131,7 +137,7 @@ def test_end_to_end_numbers_match_a_direct_computation(world, monkeypatch, capsy
         # Control, per target, for the last bucket of the first window (from the per-window partial file).
         tokens, _ = pg.read("holdout", "chr22", 0, SEQ)
         last = range(SEQ - BUCKET, SEQ)
-        expect = sum(direct_control(model, tokens, j) for j in last if tokens[j] != N_ID)
+        expect = sum(direct_control(model, tokens, [j for j in last if tokens[j] != N_ID]).values())
         line = next(p for p in partial if p["model"] == role and p["start"] == 0)
         assert sum(line["sums"][1][c][-1] for c in range(2)) == pytest.approx(expect, rel=2e-5)
         # targets before the first control block have under C tokens of context: control == full
@@ -192,6 +198,34 @@ def test_bad_input_is_one_clear_line(world, monkeypatch, capsys, tmp_path, over,
     assert code == 2 and len(lines) == 1 and lines[0].startswith("genolong: error:"), err
     assert needle in lines[0]
     assert not (tmp_path / "e" / "positional.json").exists()
+
+
+def test_a_missing_checkpoint_is_reported_before_the_default_bucket(world, monkeypatch, capsys, tmp_path):
+    # --seq under 32k without --bucket: the real problem (no such checkpoint) is what the line names.
+    code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path, **{"--checkpoint": "nowhere", "--bucket": None}))
+    assert code == 2 and "--checkpoint nowhere: no such file or directory" in err and "--bucket" not in err, err
+
+
+def test_the_default_bucket_follows_a_short_seq(world, monkeypatch, capsys, tmp_path):
+    out = tmp_path / "e"
+    args = bad(world, tmp_path, **{"--bucket": None, "--out": out})
+    code, _, err = genolong(monkeypatch, capsys, *args, "--controls", "none", "--bootstrap", "20", "--max-windows", "1",
+                            "--max-n-fraction", "0.5", "--markov-max-order", "2")
+    assert code == 0, err
+    assert json.loads((out / "positional.json").read_text())["bucket"] == 512 // 16
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(world, monkeypatch, capsys, tmp_path):
+    from genolong.eval import run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "evaluate", interrupted)
+    code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path))
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("genolong: interrupted;"), err
+    assert "run the same command again to continue" in lines[0]
 
 
 def test_a_second_checkpoint_is_refused_not_silently_dropped(world, monkeypatch, capsys, tmp_path):

@@ -29,6 +29,31 @@ def write_log(run: Path, steps: int = 6) -> None:
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
+KEEP_FIGURES = """
+import matplotlib.pyplot as _plt
+_shown = []
+_show = _plt.show
+def _keep(*a, **k):
+    _shown.append(_plt.gcf())
+    _show(*a, **k)
+_plt.show = _keep
+"""
+LEGEND_CHECK = """
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+_over = _total = 0
+for _fig in _shown:
+    FigureCanvasAgg(_fig)  # the inline backend has let go of its canvas after showing it
+    _fig.canvas.draw()
+    _r = _fig.canvas.get_renderer()
+    for _ax in _fig.axes:
+        _leg = _ax.get_legend()
+        if _leg is not None:
+            _total += 1
+            _over += _leg.get_window_extent(_r).overlaps(_ax.get_window_extent(_r))
+print(f"legends over their axes: {_over} of {_total}")
+"""
+
+
 def test_notebook_executes_on_small_outputs(tmp_path, monkeypatch):
     models = {"baseline": GRULM(0), "checkpoint": GRULM(1)}
     out = tmp_path / "eval" / "small"
@@ -44,8 +69,12 @@ def test_notebook_executes_on_small_outputs(tmp_path, monkeypatch):
     monkeypatch.setenv("GENOLONG_RUNS", str(tmp_path / "runs" / "small"))
     monkeypatch.setenv("GENOLONG_EVALS", str(out))
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    # Around the notebook: keep every figure it shows, then measure whether a legend overlaps its axes.
+    nb.cells.insert(0, nbformat.v4.new_code_cell(KEEP_FIGURES))
+    nb.cells.append(nbformat.v4.new_code_cell(LEGEND_CHECK))
     NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "legends over their axes: 0 of " in text and "legends over their axes: 0 of 0" not in text, text[-300:]
     assert "run small: 6 steps, final training loss 1.2000 nats (1.7312 bits) per token" in text
     assert "WARNING: only 4 windows" in text
     assert "late_minus_early" in text and "long_range_late_shuffled" in text
@@ -53,6 +82,15 @@ def test_notebook_executes_on_small_outputs(tmp_path, monkeypatch):
     assert table["uniform"].split()[-1] == "2.0000" and "[" in table["markov"] and "[" in table["checkpoint"]
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 2  # training panel + one positional panel
+
+
+def test_the_notebooks_executed_copies_are_git_ignored():
+    import subprocess
+
+    root = NOTEBOOK.parents[1]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "notebooks/analysis-demo.ipynb"], cwd=root)
+    kept = subprocess.run(["git", "check-ignore", "-q", "notebooks/analysis.ipynb"], cwd=root)
+    assert ignored.returncode == 0 and kept.returncode == 1
 
 
 def test_notebook_is_stored_without_outputs_and_says_how_to_run_it():

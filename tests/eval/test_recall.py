@@ -263,7 +263,8 @@ ARGS = ("--seq", "512", "--len", "32", "--skip", "8", "--distances", "40,150,400
 def test_command_end_to_end(world, monkeypatch, capsys, tmp_path):
     out = tmp_path / "e"
     code, stdout, err = genolong(
-        monkeypatch, capsys, "eval-recall", "--data", world["data"], "--checkpoint", world["run"], "--baseline", world["base"], "--out", out, *ARGS
+        monkeypatch, capsys, "eval-recall", "--data", world["data"], "--checkpoint", world["run"], "--baseline", world["base"], "--out", out, *ARGS,
+        "--loss-chunk", "2k",  # lengths as every other command spells them
     )
     assert code == 0, err
     doc = json.loads((out / "recall.json").read_text())
@@ -305,6 +306,7 @@ def test_command_end_to_end(world, monkeypatch, capsys, tmp_path):
         (("--distances", "16,100"), "shorter than --len 32"),
         (("--split", "validation"), "split 'validation' is not in"),
         (("--seq", "4k", "--distances", "1k"), "no record in split 'holdout'"),
+        (("--loss-chunk", "0"), "--loss-chunk must be positive, got '0'"),
     ],
 )
 def test_bad_input_is_one_clear_line(world, monkeypatch, capsys, tmp_path, extra, needle):

@@ -86,7 +86,7 @@ def _op_result(fn, inputs, up) -> dict:
     inputs = [t.detach().clone().requires_grad_() for t in inputs]
     out = fn(*inputs)
     (out.float() * up).sum().backward()
-    return {"out": out.float().cpu().numpy(), "grads": [t.grad.float().cpu().numpy() for t in inputs]}
+    return {"out": out.detach().float().cpu().numpy(), "grads": [t.grad.float().cpu().numpy() for t in inputs]}
 
 
 def _cp1_ops(rank, world):
@@ -148,7 +148,7 @@ def _model_run(model, inputs, targets, count) -> tuple:
     seen = {}
     for m in model.modules():
         if type(m).__name__ in ("Indexer", "BalancedIndexer"):
-            m.register_forward_hook(lambda mod, a, o: seen.setdefault(mod.layer_idx, o.cpu().numpy()))
+            m.register_forward_hook(lambda mod, a, o: seen.setdefault(mod.layer_idx, o.detach().cpu().numpy()))
     per_token = chunked_token_loss(model.hidden_states(inputs), model.lm_head.weight, targets, 8192)
     (per_token.sum() / count).backward()
     return per_token.detach(), seen

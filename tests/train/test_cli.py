@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from genolong.cli import app
 from genolong.errors import GenolongError
+from genolong.train.resume_flags import changeable_flags
 from genolong.train.metrics import read_jsonl
 from genolong.train.options import TrainOptions
 
@@ -174,6 +175,7 @@ def _stopped_run(data, tmp_path):
         (["--preset", "glm53-mini"], "--preset glm53-mini differs"),
         (["--data", "{tmp}"], "--data"),
         (["--baseline"], "--baseline differs"),
+        (["--model", "{tmp}"], "--model {tmp} differs from the run's own setting (not set)"),
     ],
 )
 def test_resume_refuses_a_flag_that_would_change_the_run(data, tmp_path, args, flag, request):
@@ -181,7 +183,8 @@ def test_resume_refuses_a_flag_that_would_change_the_run(data, tmp_path, args, f
     result = _run("--resume", out, *[a.format(tmp=tmp_path) for a in args])
     assert isinstance(result.exception, GenolongError), result.output
     message = str(result.exception)
-    assert flag in message and "only --stop-after" in message and "--overwrite" in message and "\n" not in message
+    assert flag.format(tmp=tmp_path) in message and "\n" not in message and "None" not in message
+    assert f"only {changeable_flags()} can change" in message and "--overwrite" in message
 
 
 @pytest.fixture(scope="module")

@@ -381,3 +381,17 @@ def test_plan_refuses_non_finite_and_non_positive_sizes_in_one_line(args, named)
     result = CliRunner().invoke(app, ["plan", "--seq", "128k", "--preset", "glm53-mini", *args])
     assert isinstance(result.exception, GenolongError), result.output
     assert named in str(result.exception)
+
+
+def test_plan_says_which_gpu_it_assumes_on_a_machine_without_one(monkeypatch):
+    from genolong.cli import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["plan", "--seq", "32k", "--preset", "glm53-mini"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("no GPU here: planned for an H200 (") and "--gpu-type h100" in result.output
+    named = CliRunner().invoke(app, [*args, "--gpu-type", "h200"])
+    assert named.exit_code == 0 and "no GPU here" not in named.output
+    cpu = CliRunner().invoke(app, ["plan", "--seq", "1k", "--preset", "tiny", "--device", "cpu"])
+    assert cpu.exit_code == 0 and "no GPU here" not in cpu.output
