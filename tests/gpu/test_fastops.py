@@ -39,14 +39,16 @@ def test_indexer_v2_selection_identical_to_reference(heads):
     assert key_chunk_rows(rows, torch.tensor([0, 4096, seq], dtype=torch.int32, device=DEV))[0] is rows
 
 
-def test_indexer_v2_selects_like_v1_where_every_level_searches():
+@pytest.mark.parametrize("name", ["triton_fused_select", "triton_two_pass"])
+def test_indexer_selections_past_64k_equal_the_reference(name):
     # Past 64k tokens a query sees more than 512 super-groups (G 4, 8 a super-group), so each of v2's
-    # in-register top-k levels searches; v1 (torch.topk) chooses the same pools up to fp32 near-ties.
+    # in-register top-k levels searches. Each build against the reference, up to fp32 near-ties: v2
+    # against v1 directly failed on an H100 (2026-12-06, not diagnosed); this says which one differs.
     seq = 98304
     q, keys, w = _indexer_inputs(seq)
-    got = _impl("dsa_indexer_topk", "triton_fused_select")(q, keys, w, **KW)
-    want = _impl("dsa_indexer_topk", "triton_two_pass")(q, keys, w, **KW)
-    mismatched = _near_ties_only(got, want, q, keys, w, KW)
+    ref = _impl("dsa_indexer_topk", "reference")(q, keys, w, **KW)
+    got = _impl("dsa_indexer_topk", name)(q, keys, w, **KW)
+    mismatched = _near_ties_only(got, ref, q, keys, w, KW)
     assert mismatched <= seq // 20, f"{mismatched} of {seq} rows differ (all near-ties)"
 
 
