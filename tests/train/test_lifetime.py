@@ -117,7 +117,11 @@ def test_ctrl_c_stops_both_with_130_and_the_run_continues_with_resume(data, tmp_
     assert proc.returncode == 130, err
     lines = err.strip().splitlines()
     assert lines[-1].startswith("genolong: interrupted; last complete checkpoint: step "), err
-    assert f"continue with `genolong finetune --resume {run}`" in lines[-1]
+    # Started as `PYTHON -m genolong`: the line names it that way (this Python, by a path from the
+    # working directory), so it works as printed.
+    python, rest = lines[-1].split("continue with `", 1)[1].split(" -m genolong ", 1)
+    assert rest == f"finetune --resume {run}`"
+    assert Path(python).resolve() == Path(sys.executable).resolve()
     assert not _alive(worker)
     saved = ck.latest(run)
     assert saved is not None and ck.is_complete(saved)
