@@ -100,6 +100,6 @@ def test_eval_cp2_under_torchrun_equals_one_process(world, tmp_path):
 
 def test_eval_refuses_tp_and_a_world_that_does_not_match(world, tmp_path):
     tp = _eval(world, tmp_path / "tp", sys.executable, extra=("--parallel", "tp=2"))
-    assert tp.returncode == 2 and "scoring over tp or ep ranks is not wired into eval-positional" in tp.stderr
+    assert tp.returncode == 2 and "scoring over tp, ep or fsdp ranks is not wired into eval-positional" in tp.stderr
     dp = _eval(world, tmp_path / "dp", sys.executable, extra=("--parallel", "dp=2"))
     assert dp.returncode == 2 and "needs 2 processes but 1 were started" in dp.stderr
