@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_LINE = "    bash scripts/install.sh && .venv/bin/python -m pytest -q tests"
+TEST_LINE = "    bash scripts/install.sh && .venv/bin/python -m pytest -q -n 2 --dist worksteal tests"
 
 
 def _tree(tmp_path, readme):
@@ -40,7 +40,7 @@ def test_ci_runs_the_readme_command_and_keeps_its_exit_code(tmp_path, rc):
     result = _ci(tree, rc)
     assert result.returncode == rc, result.stderr
     assert "installed" in result.stdout
-    assert (tree / ".venv" / "bin" / "args").read_text().split() == ["-m", "pytest", "-q", "tests"]
+    assert (tree / ".venv" / "bin" / "args").read_text().split() == ["-m", "pytest", "-q", "-n", "2", "--dist", "worksteal", "tests"]
 
 
 def test_ci_refuses_a_readme_without_a_test_command(tmp_path):
