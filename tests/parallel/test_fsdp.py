@@ -18,33 +18,15 @@ import torch.nn.functional as F
 
 from genolong.train.loop import load_run_options, train
 from genolong.train.options import MemoryOptions
+from tests.parallel.test_train_parallel import _close, _options, _train_rank  # the same small runs
 from tests.parallel.harness import run_ranks
-from tests.train._helpers import prepared_genome, tiny_options
+from tests.train._helpers import prepared_genome
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-LOSS_RTOL = 2e-5  # fp32: sums over two ranks round differently from one batch's
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return prepared_genome(tmp_path_factory.mktemp("genome"))
-
-
-def _options(data, out, **changes):
-    fields = {"seq_len": 64, "steps": 3, "batch": 2, "warmup": 1, "memory": MemoryOptions(offload=False, moe_chunk_tokens=48)}
-    fields.update(changes)
-    return tiny_options(data, out, **fields)
-
-
-def _train_rank(rank, world, options_dict):
-    from genolong.train.options import TrainOptions
-
-    return train(TrainOptions.from_dict(options_dict))
-
-
-def _close(a, b, rtol=LOSS_RTOL):
-    return all(math.isclose(x, y, rel_tol=rtol, abs_tol=1e-7) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.slow  # three launches of two gloo processes: ~45 s on the shared 2-core machine
