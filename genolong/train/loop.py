@@ -537,15 +537,11 @@ def _open_sampler(options: TrainOptions, rank: int = 0, ranks: int = 1):
 def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None, procs=None):
     """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
     A multi-process checkpoint's weights are loaded later (`_restore`), into the model after its
-    parallel passes; with tp, ep or fsdp the model comes back on the meta device (`_materialise`)."""
+    parallel passes; with tp, ep or fsdp the model comes back on the meta device (`_materialise`).
+    The memory pre-flight has run before (`_train`, before the run directory is touched)."""
     from genolong.model import GenoLongForCausalLM, from_pretrained
     from genolong.model.vocab import dna_to_checkpoint_ids
 
-    config = _model_config(options)
-    layout = procs.layout if procs is not None else None
-    if layout is None or layout.cp == layout.tp == layout.ep == layout.fsdp == 1:
-        # The plan below assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
-        _preflight(config, options, device)
     dna_map = None
     # With tp, ep or fsdp a rank holds part of the weights: it builds on the meta device and
     # allocates and reads only its slices after the passes (_materialise).
