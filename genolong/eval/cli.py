@@ -142,7 +142,7 @@ def eval_positional(
     def make_scorer(role: str) -> ModelScorer:
         model = models.load(resolved[role], runtime.DTYPES[dtype_name], dev)
         # As in training, MoE runs over the sequence in chunks: uneven real routing must not
-        # spike memory at 512k (seed optimization 8). Recompute and offload only matter with a
+        # spike memory at 512k (the original recipe's real-data MoE chunking). Recompute and offload only matter with a
         # backward pass, and there is none here.
         if pmesh is not None and pmesh.size("cp") > 1:
             # Before the memory pass, in the training passes' order (genolong/train/passes.py).

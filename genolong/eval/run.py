@@ -244,7 +244,7 @@ def evaluate(
             reduce_window(markov.losses(w.tokens), {}, w.tokens, w.repeat_mask, layout) for w in _limit(windows(), len(keys))
         ]
     meta = {
-        # Which implementation each hot op ran while scoring in this invocation (seed lesson 1:
+        # Which implementation each hot op ran while scoring in this invocation (the original recipe's first lesson:
         # verify the kernels); empty when every window was already in the partial file.
         "kernels": ops.audit_summary(),
         "models": {role: {"source": s.source, "label": s.label, **s.identity} for role, s in specs.items()},

@@ -1,7 +1,7 @@
 """Which kernel policy a run uses, and the run-log lines that say which kernels ran.
 
 On CUDA the default is "fused": the first layer that would fall back to a PyTorch reference
-raises `KernelFallbackError` (seed optimization 1: the run that silently fell back to dense
+raises `KernelFallbackError` (the original recipe's first lesson, verify the kernel each layer runs: the run that silently fell back to dense
 attention). The user may ask for "reference" or "auto" explicitly. On the CPU the references
 are the only choice.
 """

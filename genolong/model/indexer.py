@@ -11,7 +11,7 @@ loss against the main attention (genolong/model/indexer_loss.py, docs/model.md),
 `project` (the differentiable part: queries, pooled keys, head weights) is separate from
 `select` (the top-k). Scoring is the hot op "dsa_indexer_topk"; `indexer_topk_reference` below
 is its oracle, chunked over queries so the [queries x pools] score matrix never exists whole
-(seed optimization 2).
+(the original recipe's query-chunked indexer).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ flattened, RMS-normalised streams through one projection `fn`:
   streams into the new ones: new[o] = post[o] * f(x) + sum_i comb[i, o] * old[i].
 The model's final output is the plain mean of the streams (`hc_head`).
 
-No fp32 copy of the [B, T, n * hidden] input is made (seed optimization 7): the RMS statistic
+No fp32 copy of the [B, T, n * hidden] input is made (the original recipe's no-needless-fp32): the RMS statistic
 is reduced in fp32 and applied to the n^2 + 2n projected logits instead (the norm is a per-row
 scalar, so linear(x * r) = r * linear(x)); the projection and the collapse run in the streams'
 dtype. In fp32 this is the reference's arithmetic up to rounding.

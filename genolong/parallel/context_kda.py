@@ -22,7 +22,7 @@ KDA heads divide by cp (measured faster, docs/parallel.md), state passing elsewh
   fp32, independent of the length; compute: the recurrence with Dv + Dk value columns instead of Dv.
 
 **Ulysses.** Each rank all-gathers the layer's input hidden states [B, T/cp, hidden] -> [B, T,
-hidden] (the small pre-projection tensor, not the projected q/k/v/gates: seed optimisation 6),
+hidden] (the small pre-projection tensor, not the projected q/k/v/gates: the original recipe's context parallelism),
 runs the module's projections, conv, recurrence and gated norm for its H/cp heads over the
 whole sequence (a functional call on head slices of the weights, the same split as tensor
 parallelism's: genolong.parallel.tensor_plan), and o_proj on those heads' columns; the partial

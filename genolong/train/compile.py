@@ -1,4 +1,4 @@
-"""Compiled small ops, applied to a built model from outside (issue 12: in a 128k glm53-mini step,
+"""Compiled small ops, applied to a built model from outside (in a 128k glm53-mini step,
 26% of the GPU time went to thousands of small pointwise kernels and 11% to skinny 32x32-tile
 products, mostly mHC's per-token stream mixes run as [T]-batched 1x4 and 4x4 matrix products).
 

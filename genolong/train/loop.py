@@ -727,7 +727,7 @@ def _split(windows, options: TrainOptions, dna_map, device: str, cp: tuple[int, 
 
 
 def _write_kernel_audit(run_dir: Path, policy: ops.KernelPolicy) -> None:
-    """Which implementation each hot op ran, per layer count (seed lesson: verify the kernels)."""
+    """Which implementation each hot op ran, per layer count (the original recipe's lesson: verify the kernels)."""
     summary = policy.audit_summary()
     (run_dir / "kernels.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if summary:

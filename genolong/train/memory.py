@@ -9,7 +9,7 @@ then recompute and offload (they wrap whole layers):
 
 - moe_chunking: `ChunkedMoE(MoE)` runs the MoE over the sequence in chunks of `moe_chunk_tokens`
   tokens, each chunk under its own checkpoint. The chunking bounds the transient of skewed
-  real-data routing (seed optimization 8); the checkpoint is what makes it pay under full
+  real-data routing (the original recipe's real-data MoE chunking); the checkpoint is what makes it pay under full
   recompute, where a layer's whole activation set is alive during its backward: the MoE then
   keeps one chunk's activations instead of the sequence's, for one extra MoE forward per layer.
 - mhc_low_precision=False (ablation / --baseline only): `Fp32InputMHC(HyperConnection)` runs the
@@ -84,7 +84,7 @@ class ChunkedMoE(ModuleWrapper):
 
 
 class Fp32InputMHC(ModuleWrapper):
-    """The wrapped hyper-connection on an fp32 copy of its input (what seed optimization 7 removed)."""
+    """The wrapped hyper-connection on an fp32 copy of its input (what the original recipe's no-needless-fp32 removed)."""
 
     def forward(self, streams: torch.Tensor):
         post, comb, collapsed = self.wrapped(streams.float())

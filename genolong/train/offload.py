@@ -1,4 +1,4 @@
-"""Layer inputs parked in host memory between forward and backward (seed optimization 5).
+"""Layer inputs parked in host memory between forward and backward (the original recipe's CPU offload).
 
 With full recompute (genolong.train.recompute) each layer keeps exactly one tensor for
 backward: its input, the 4-stream mHC residual `[B, T, 4, hidden]`. torch's non-reentrant

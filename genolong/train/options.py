@@ -30,7 +30,7 @@ MEMORY_PARAMS = ("baseline", "recompute", "offload", "moe_chunk", "loss_chunk", 
 
 @dataclass
 class MemoryOptions:
-    """Memory optimizations (seed optimizations 4, 5, 7, 8 and the chunked loss head).
+    """Memory optimizations (the original recipe's recompute, offload, no-needless-fp32 and MoE chunking and the chunked loss head).
 
     recompute: full-layer activation recompute (each layer keeps only its input for backward).
     offload: move each recomputed layer's stored input to pinned host memory.

@@ -299,7 +299,7 @@ def layer_saved_items(
     op_internals: include what the fused KDA / DSA kernels keep beyond their inputs and outputs
     (left out by the CPU census test, whose stand-in ops keep only those).
     mhc_fp32_input: each hyper-connection keeps an fp32 copy of its input streams (the
-    out-of-the-box form that seed optimization 7 removed; MemoryOptions.mhc_low_precision=False).
+    out-of-the-box form that the original recipe's no-needless-fp32 removed; MemoryOptions.mhc_low_precision=False).
     """
     a = dtype_bytes
     h, n = config.hidden, config.mhc.num_streams

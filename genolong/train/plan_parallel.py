@@ -33,7 +33,7 @@ from genolong.parallel.layout import ParallelLayout, check_layout
 FP32 = 4
 GIB = 1024**3
 KDA_MODES = ("state", "ulysses")
-# Seed optimization 8: on real data the busiest expert-parallel rank receives ~4x the mean rows.
+# The original recipe's real-data MoE chunking: on real data the busiest expert-parallel rank receives ~4x the mean rows.
 MOE_SKEW = 4.0
 GPUS_PER_NODE = 8
 # Link speeds used only to rank layouts by communication (spec sheets, not measurements):

@@ -1,4 +1,4 @@
-"""Full-layer activation recompute, applied from outside the model (seed optimization 4).
+"""Full-layer activation recompute, applied from outside the model (the original recipe's full-layer recompute).
 
 mHC keeps four residual streams, so a layer's saved activations are ~4x a plain transformer's and
 selective recompute only reached ~32k tokens in the seed run; recomputing whole layers reached
