@@ -17,16 +17,20 @@
 #   3 widen       the model's full top-k at longer windows, oracle still on, indexer trained
 #   4 own         no oracle: the indexer's own selection, planted copies at a lower rate: the start
 #                 model of the long stage (and the baseline of the evaluation)
-#   5 long        real DNA only, at SEQ (512k), indexer trained (INDEXER_COEFF=0: the comparison arm
-#                 with the indexer frozen; TAG it differently)
+#   5 long        real DNA only, at SEQ (512k), indexer trained
 #   6 recall      eval-recall on the held-out chromosome: copies at several distances, null-aware
-#   7 positional  eval-positional on the held-out chromosome at SEQ, the truncated control (and
-#                 shuffled where CONTROLS says), long vs own
+#   7 positional  eval-positional on the held-out chromosome at SEQ, the truncated and shuffled
+#                 controls, the long model vs BASELINE (the own stage's model unless set)
+# The comparison arm: the same stages with the indexer frozen at its initialisation (INDEXER_COEFF=0
+# in every stage: the oracle still teaches copying, but nothing teaches the indexer to find the
+# source), then the main arm's evaluation against it:
+#   INDEXER_COEFF=0 TAG=longrange-frozen UNTIL=recall bash pipelines/longrange.sh
+#   BASELINE=runs/longrange-frozen-long bash pipelines/longrange.sh
 # Settings (environment, defaults for one H200): ASSEMBLY (arenosa), FASTA / TRAIN / HOLDOUT, PRESET
 # (glm53-mini), LAYERS (8), COPY_SEQ (4k), COPY_BATCH (16), COPY_STEPS (600), COPY_TOPK (32), COPY_LR
 # (1e-3), WIDE_SEQ (32k), WIDE_BATCH (2), WIDE_STEPS (150), OWN_SEQ (64k), OWN_STEPS (100), SEQ (512k),
-# STEPS (20), INDEXER_COEFF (1), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
-# (truncated), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: copy, widen, own,
+# STEPS (20), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
+# (truncated,shuffled), CONTROLS_AT (late: the controls re-score the last bucket only; all), BASELINE (the positional baseline: a run or model directory), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: copy, widen, own,
 # long, recall, positional), MEMORY_FLAGS (memory flags of the short stages), FINETUNE_FLAGS (every
 # stage), TAG (longrange).
 set -euo pipefail
@@ -54,13 +58,15 @@ INDEXER_COEFF=${INDEXER_COEFF:-1}
 K=${K:-12}
 BUCKET=${BUCKET:-32k}
 CONTROL=${CONTROL:-32k}
-CONTROLS=${CONTROLS:-truncated}
+CONTROLS=${CONTROLS:-truncated,shuffled}
 MAX_WINDOWS=${MAX_WINDOWS:-20}
 RECALL_WINDOWS=${RECALL_WINDOWS:-16}
 UNTIL=${UNTIL:-positional}
 MEMORY_FLAGS=${MEMORY_FLAGS:---no-recompute}
 FINETUNE_FLAGS=${FINETUNE_FLAGS:-}
 TAG=${TAG:-longrange}
+BASELINE=${BASELINE:-}
+CONTROLS_AT=${CONTROLS_AT:-late}
 
 source pipelines/lib.sh
 
@@ -70,6 +76,8 @@ done_if() { if [ "$UNTIL" = "$1" ]; then stage "done (UNTIL=$UNTIL)"; exit 0; fi
 # bases 4k -> 4096 (k = 1024, m = 1024k, as genolong reads lengths).
 bases() { local v=${1,,}; case $v in *k) echo $(( ${v%k} * 1024 ));; *m) echo $(( ${v%m} * 1048576 ));; *) echo "$v";; esac; }
 # Planted copies: 64 bases, up to three quarters of the window back, N per window.
+# Warm-up steps: N, or a quarter of a short stage's steps (the CPU-sized variant).
+warm() { echo $(( $2 / 4 < $1 ? $2 / 4 : $1 )); }
 plant() { echo "len=64,max-dist=$(( $(bases "$1") * 3 / 4 )),per-window=$2"; }
 
 stage "1/7 prepare $FASTA -> $DATA"
@@ -77,7 +85,7 @@ $G prepare --fasta "$FASTA" ${TRAIN:+--train "$TRAIN"} ${HOLDOUT:+--holdout "$HO
 
 stage "2/7 copy: $PRESET ($LAYERS layers) from scratch, $COPY_STEPS steps of $COPY_BATCH x $COPY_SEQ, top-k $COPY_TOPK, oracle k=$K -> $RUNS-copy"
 finetune_or_resume "$RUNS-copy" "$COPY_STEPS" --preset "$PRESET" --layers "$LAYERS" --seq "$COPY_SEQ" --batch "$COPY_BATCH" \
-    --lr "$COPY_LR" --warmup 50 --save-every 100 --indexer-topk "$COPY_TOPK" --copy-oracle "$K" --indexer-loss-coeff 1 \
+    --lr "$COPY_LR" --warmup "$(warm 50 "$COPY_STEPS")" --save-every 100 --indexer-topk "$COPY_TOPK" --copy-oracle "$K" --indexer-loss-coeff "$INDEXER_COEFF" \
     --planted-repeats "$(plant "$COPY_SEQ" 8)" --kernels auto $MEMORY_FLAGS $FINETUNE_FLAGS
 model_of "$RUNS-copy" "$COPY_STEPS" "$RUNS-copy/model"
 # Does it copy with its own selection (no oracle)? Held-out copies at a few distances inside the window.
@@ -87,19 +95,19 @@ done_if copy
 
 stage "3/7 widen: the model's full top-k, $WIDE_STEPS steps of $WIDE_BATCH x $WIDE_SEQ, oracle on -> $RUNS-widen"
 finetune_or_resume "$RUNS-widen" "$WIDE_STEPS" --model "$RUNS-copy/model" --seq "$WIDE_SEQ" --batch "$WIDE_BATCH" \
-    --lr 5e-4 --warmup 10 --save-every 50 --indexer-topk 2048 --copy-oracle "$K" --indexer-loss-coeff 1 \
+    --lr 5e-4 --warmup "$(warm 10 "$WIDE_STEPS")" --save-every 50 --indexer-topk 2048 --copy-oracle "$K" --indexer-loss-coeff "$INDEXER_COEFF" \
     --planted-repeats "$(plant "$WIDE_SEQ" 32)" --kernels auto $MEMORY_FLAGS $FINETUNE_FLAGS
 model_of "$RUNS-widen" "$WIDE_STEPS" "$RUNS-widen/model"
 done_if widen
 
 stage "4/7 own selection: $OWN_STEPS steps at $OWN_SEQ, no oracle, indexer trained -> $RUNS-own"
-finetune_or_resume "$RUNS-own" "$OWN_STEPS" --model "$RUNS-widen/model" --seq "$OWN_SEQ" --lr 3e-4 --warmup 10 --save-every 50 \
-    --indexer-loss-coeff 1 --planted-repeats "$(plant "$OWN_SEQ" 16)" $FINETUNE_FLAGS
+finetune_or_resume "$RUNS-own" "$OWN_STEPS" --model "$RUNS-widen/model" --seq "$OWN_SEQ" --lr 3e-4 --warmup "$(warm 10 "$OWN_STEPS")" --save-every 50 \
+    --indexer-loss-coeff "$INDEXER_COEFF" --planted-repeats "$(plant "$OWN_SEQ" 16)" $FINETUNE_FLAGS
 model_of "$RUNS-own" "$OWN_STEPS" "$RUNS-own/model"
 done_if own
 
 stage "5/7 long: $STEPS steps at $SEQ on real DNA, indexer coefficient $INDEXER_COEFF -> $RUNS-long"
-finetune_or_resume "$RUNS-long" "$STEPS" --model "$RUNS-own/model" --seq "$SEQ" --lr 1e-4 --warmup 5 --save-every 10 \
+finetune_or_resume "$RUNS-long" "$STEPS" --model "$RUNS-own/model" --seq "$SEQ" --lr 1e-4 --warmup "$(warm 5 "$STEPS")" --save-every 10 \
     --indexer-loss-coeff "$INDEXER_COEFF" $FINETUNE_FLAGS
 done_if long
 
@@ -108,9 +116,10 @@ $G eval-recall $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-long" 
     --len 64 --distances auto --windows "$RECALL_WINDOWS" --out "eval/$TAG-recall"
 done_if recall
 
-stage "7/7 held-out loss by position at $SEQ, long vs own, controls $CONTROLS -> eval/$TAG"
-$G eval-positional $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-long" --baseline "$RUNS-own/model" \
-    --seq "$SEQ" --bucket "$BUCKET" --control-context "$CONTROL" --controls "$CONTROLS" --max-windows "$MAX_WINDOWS" \
+BASELINE=${BASELINE:-$RUNS-own/model}
+stage "7/7 held-out loss by position at $SEQ, long vs $BASELINE, controls $CONTROLS in the $CONTROLS_AT bucket(s) -> eval/$TAG"
+$G eval-positional $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-long" --baseline "$BASELINE" \
+    --seq "$SEQ" --bucket "$BUCKET" --control-context "$CONTROL" --controls "$CONTROLS" --controls-at "$CONTROLS_AT" --max-windows "$MAX_WINDOWS" \
     --bootstrap 1000 --seed 0 --out "eval/$TAG"
 stage "done"
 echo "plot: eval/$TAG/positional.png  recall: eval/$TAG-recall/recall.png"

