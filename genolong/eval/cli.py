@@ -38,6 +38,13 @@ def eval_positional(
             "shuffled (the context beyond that dinucleotide-shuffled, same length; ~seq/2C passes), or none."
         ),
     ] = "truncated,shuffled",
+    controls_at: Annotated[
+        str,
+        typer.Option(
+            help="Buckets the controls re-score: all, or late (the last bucket only: enough for the long-range part "
+            "of the late change, at a fraction of the cost; the shuffled control then costs one full pass, not ~seq/2C)."
+        ),
+    ] = "all",
     markov_max_order: Annotated[
         int,
         typer.Option(
@@ -108,7 +115,7 @@ def eval_positional(
     wanted = tuple(c.strip() for c in controls.split(",") if c.strip() and c.strip() != "none")
     if not wanted:
         control = None
-    layout = Layout(seq=seq_len, bucket=bucket_len, control=control, controls=wanted)
+    layout = Layout(seq=seq_len, bucket=bucket_len, control=control, controls=wanted, controls_at=controls_at.strip())
     chunk = parse_length(loss_chunk, "--loss-chunk") if loss_chunk is not None else None
     if chunk is not None and chunk < 1:
         raise GenolongError(f"--loss-chunk must be at least 1, got {loss_chunk}")

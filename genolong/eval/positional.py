@@ -46,6 +46,7 @@ from genolong.vocab import N_ID
 # Axis 0 of WindowScore.sums: every way a target can be scored; CONTROLS are the ones besides full.
 MODES = ("full", "truncated", "shuffled")
 CONTROLS = MODES[1:]
+CONTROLS_AT = ("all", "late")
 # Axis of target classes: soft-masked (lowercase in the FASTA) repeats vs the rest.
 CLASSES = ("nonrepeat", "repeat")
 LN2 = math.log(2.0)
@@ -67,6 +68,10 @@ class Layout:
     bucket: int
     control: int | None
     controls: tuple[str, ...] = ("truncated",)
+    # Which buckets the controls re-score: "all", or "late" (the last bucket only: the long-range
+    # part of the late change needs no more, at ~1/n of the truncated control's cost and one full
+    # pass instead of ~seq/2C for the shuffled one; the other buckets' control rows are NaN).
+    controls_at: str = "all"
 
     def __post_init__(self) -> None:
         if self.bucket > self.seq:
@@ -76,6 +81,10 @@ class Layout:
             )
         if self.seq < 2:
             raise GenolongError(f"--seq {self.seq} leaves no target to score: use at least 2 tokens")
+        if self.controls_at not in CONTROLS_AT:
+            raise GenolongError(
+                f"--controls-at {self.controls_at!r} is not a choice: use all (every bucket) or late (the last bucket only)"
+            )
         unknown = [c for c in self.controls if c not in CONTROLS]
         if unknown:
             raise GenolongError(
@@ -109,16 +118,20 @@ class Layout:
         """Target positions where buckets start, plus the end: [0, bucket, ..., seq]."""
         return np.minimum(np.arange(self.n_buckets + 1) * self.bucket, self.seq)
 
+    def late_start(self) -> int:
+        """First target position of the last bucket."""
+        return (self.n_buckets - 1) * self.bucket
+
     def forward_tokens(self) -> dict[str, int]:
         """Tokens run through the model per window, per mode (the cost of each control)."""
         out = {"full": self.seq - 1}
         c = self.control
         if c:
-            blocks = range(2 * c, self.seq, c)
+            blocks = control_blocks(self)
             if "truncated" in self.controls:
-                out["truncated"] = sum(min(s + c, self.seq) - (s - c) - 1 for s in blocks)
+                out["truncated"] = sum(end - (start - c) - 1 for start, end in blocks)
             if "shuffled" in self.controls:
-                out["shuffled"] = sum(min(s + c, self.seq) - 1 for s in blocks)
+                out["shuffled"] = sum(end - 1 for _, end in blocks)
         return out
 
 
@@ -188,15 +201,22 @@ class ModelScorer:
         return dna_token_loss(hidden, head.weight[base_ids], dna_targets, self.chunk_tokens, bias)
 
 
-def shuffle_rng(tokens: np.ndarray) -> np.random.Generator:
-    """The shuffled control's generator for a window: seeded by its content, so reruns agree."""
-    return np.random.default_rng([SHUFFLE_SEED, zlib.crc32(np.ascontiguousarray(tokens, dtype=np.uint8).tobytes())])
+def shuffle_rng(tokens: np.ndarray, block_start: int) -> np.random.Generator:
+    """The shuffled control's generator for one block of a window: seeded by the window's content and
+    the block's start, so reruns agree and a block's shuffle does not depend on which blocks ran."""
+    crc = zlib.crc32(np.ascontiguousarray(tokens, dtype=np.uint8).tobytes())
+    return np.random.default_rng([SHUFFLE_SEED, crc, block_start])
 
 
 def control_blocks(layout: Layout) -> list[tuple[int, int]]:
-    """[start, end) of each control block whose control loss is computed (blocks from 2C on)."""
+    """[start, end) of each control block whose control loss is computed: blocks of C from 2C on
+    (targets before 2C have no context beyond their block's), in the last bucket only when
+    controls_at is "late" (its blocks then start at the bucket's start)."""
     c = layout.control
-    return [(s, min(s + c, layout.seq)) for s in range(2 * c, layout.seq, c)] if c else []
+    if not c:
+        return []
+    first = max(2 * c, layout.late_start()) if layout.controls_at == "late" else 2 * c
+    return [(s, min(s + c, layout.seq)) for s in range(first, layout.seq, c)]
 
 
 def score_window(scorer: ModelScorer, tokens: np.ndarray, repeat: np.ndarray, layout: Layout) -> WindowScore:
@@ -210,18 +230,25 @@ def score_window(scorer: ModelScorer, tokens: np.ndarray, repeat: np.ndarray, la
 
     controls: dict[str, np.ndarray] = {}
     c = layout.control
-    if "truncated" in layout.controls:
+
+    def start_from_full() -> np.ndarray:
         loss = full.copy()
+        if layout.controls_at == "late":
+            loss[: max(layout.late_start() - 1, 0)] = np.nan  # targets before the last bucket: not scored
+        return loss
+
+    if "truncated" in layout.controls:
+        loss = start_from_full()
         for start, end in control_blocks(layout):
             chunk = scorer.losses(ids[:, start - c : end])[0].double().numpy()
             # chunk predicts targets (start - c + 1) .. (end - 1); keep those in [start, end)
             loss[start - 1 : end - 1] = chunk[c - 1 :]
         controls["truncated"] = loss
     if "shuffled" in layout.controls:
-        loss = full.copy()
-        rng = shuffle_rng(tokens)
+        loss = start_from_full()
         for start, end in control_blocks(layout):
-            mixed = np.concatenate([dinucleotide_shuffle(tokens[: start - c], rng), tokens[start - c : end]])
+            shuffled = dinucleotide_shuffle(tokens[: start - c], shuffle_rng(tokens, start))
+            mixed = np.concatenate([shuffled, tokens[start - c : end]])
             chunk = scorer.losses(scorer.token_ids(mixed)[None])[0].double().numpy()
             loss[start - 1 : end - 1] = chunk[start - 1 : end - 1]
         controls["shuffled"] = loss

@@ -154,6 +154,12 @@ class Results:
             out[f"late_{ctx}_minus_full_bits"] = {
                 m: _est(self.loss[(m, ctx, "all")].at(late) - self.loss[(m, "full", "all")].at(late)) for m in MODELS
             }
+            # The same, split into soft-masked repeats and the other bases: where the distant context helps.
+            for cls in CLASSES:
+                out[f"long_range_late_{ctx}_{cls}"] = _est(self.rel[("full", cls)].at(late) - self.rel[(ctx, cls)].at(late))
+                out[f"late_{ctx}_minus_full_bits_{cls}"] = {
+                    m: _est(self.loss[(m, ctx, cls)].at(late) - self.loss[(m, "full", cls)].at(late)) for m in MODELS
+                }
         return out
 
 
@@ -262,6 +268,7 @@ def to_json(res: Results) -> str:
         "bucket": res.layout.bucket,
         "control_context": res.layout.control,
         "controls": list(res.layout.controls),
+        "controls_at": res.layout.controls_at,
         "bucket_edges": [int(e) for e in res.layout.bucket_edges()],
         "windows": [{"record": r, "start": s, "reverse": v} for r, s, v in res.windows],
         "n_tokens": {bases: [int(x) for x in res.n_tokens(bases)] for bases in BASES},
@@ -334,6 +341,8 @@ def summary_text(res: Results) -> str:
     ]
     if s["interval_warning"]:
         lines.append(f"WARNING: {s['interval_warning']}")
+    if res.layout.controls and res.layout.controls_at == "late":
+        lines.append("the controls re-score the last bucket only (--controls-at late): no control curve in the other buckets")
     lines.append("held-out loss in bits/base (probabilities renormalised over A, C, G, T; uniform guessing = 2):")
     lines.append("  " + " | ".join(f"{names[m]} {bits(bpb[m])}" for m in res.models))
     if "minus_markov_bits" in s:
@@ -351,6 +360,13 @@ def summary_text(res: Results) -> str:
             f"long-range part of the late change (full - {ctx}) {pct(s[f'long_range_late_{ctx}'])}",
             f"  late bucket, {ctx} minus full context, bits/base (above 0 = the real context helps): {diffs}",
         ]
+        for cls in CLASSES:
+            per = s[f"late_{ctx}_minus_full_bits_{cls}"]
+            diffs = ", ".join(f"{names[m]} {bits(per[m], signed=True)}" for m in MODELS)
+            lines.append(
+                f"    {'soft-masked repeats' if cls == 'repeat' else 'other bases'}: long-range part "
+                f"{pct(s[f'long_range_late_{ctx}_{cls}'])}; {ctx} minus full, bits/base: {diffs}"
+            )
     reach = res.meta.get("reach")
     if reach:
         lines.append(

@@ -36,7 +36,7 @@ from genolong.units import format_length
 ROLES = ("baseline", "checkpoint")
 # Part of the partial file's header: results scored another way (nats over the whole vocabulary,
 # before this version) must not be mixed with these.
-SCORING = "bits per base, probabilities renormalised over A, C, G, T"
+SCORING = "bits per base, probabilities renormalised over A, C, G, T; shuffled control seeded per block"
 
 
 class Window(Protocol):
@@ -188,6 +188,8 @@ def evaluate(
         "bucket": layout.bucket,
         "control_context": layout.control,
         "controls": list(layout.controls),
+        # Only when not the default, so that evaluations started before the option resume.
+        **({"controls_at": layout.controls_at} if layout.controls_at != "all" else {}),
         "max_n_fraction": settings.max_n_fraction,
         "dtype": settings.dtype,
         "data": data_identity or {},

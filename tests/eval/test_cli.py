@@ -388,3 +388,34 @@ def test_an_unknown_control_is_one_clear_line(world, monkeypatch, capsys, tmp_pa
     code, _, err = genolong(monkeypatch, capsys, *bad(world, tmp_path), "--controls", "truncated,reversed")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "unknown control 'reversed'; use truncated, shuffled, both (truncated,shuffled) or none" in err
+
+
+def test_late_controls_give_the_same_long_range_part_at_a_fraction_of_the_cost(world, monkeypatch, capsys, tmp_path):
+    """--controls-at late: the summary's late-bucket numbers are the every-bucket run's (the blocks
+    are the same when the bucket is a multiple of C), the other buckets' control rows are empty
+    (null, not a made-up number) in the JSON and CSV, the plot and summary are written, and fewer
+    tokens run."""
+    docs = {}
+    for at in ("all", "late"):
+        out = tmp_path / at
+        code, stdout, err = genolong(
+            monkeypatch, capsys, "eval-positional", "--data", world["data"], "--checkpoint", world["run"], "--out", out,
+            *ARGS, "--max-windows", "2", "--controls-at", at,
+        )
+        assert code == 0, err
+        assert "long-range part" in stdout and "nan" not in stdout.lower()
+        assert ("controls re-score the last bucket only" in stdout) == (at == "late")
+        docs[at] = json.loads((out / "positional.json").read_text())
+        assert (out / "positional.png").is_file() and (out / "summary.txt").is_file()
+    every, late = docs["all"], docs["late"]
+    assert late["controls_at"] == "late" and every["controls_at"] == "all"
+    keys = ("long_range_late_truncated", "long_range_late_shuffled", "late_rel_change_shuffled", "long_range_late_truncated_repeat")
+    for key in keys:
+        for part in ("value", "lo", "hi"):
+            assert late["summary"][key][part] == pytest.approx(every["summary"][key][part], rel=1e-6), key
+    row = next(r for r in late["bits_per_base"] if (r["model"], r["context"], r["bases"]) == ("checkpoint", "shuffled", "all"))
+    assert row["value"][:-1] == [None] * (SEQ // BUCKET - 1) and row["value"][-1] is not None
+    full_tokens = {at: sum(d["meta"]["forward_tokens_per_window"].values()) for at, d in docs.items()}
+    assert full_tokens["late"] < full_tokens["all"]
+    csv_text = (tmp_path / "late" / "positional.csv").read_text()
+    assert "nan" not in csv_text.lower()

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from genolong.errors import GenolongError
-from genolong.eval.positional import CLASSES, MODES, Layout, ModelScorer, score_window
+from genolong.eval.positional import CLASSES, MODES, Layout, ModelScorer, score_window, shuffle_rng
+from genolong.eval.shuffle import dinucleotide_shuffle
 from genolong.train.loss import chunked_token_loss
 from genolong.vocab import N_ID
 from tests.eval.standins import GRULM, make_windows, scorer
@@ -180,3 +181,57 @@ def test_layout_refuses_impossible_settings(seq, bucket, control, controls, flag
 def test_layout_without_control_context_runs_no_control():
     assert Layout(512, 64, None, controls=("truncated", "shuffled")).contexts == ("full",)
     assert Layout(512, 64, 64, controls=("shuffled", "truncated")).contexts == ("full", "truncated", "shuffled")
+
+
+def test_late_controls_rescore_the_last_bucket_only():
+    """--controls-at late: the last bucket's control sums are exactly the ones every-bucket controls
+    give (same blocks when the bucket is a multiple of C), the shuffled one equals a direct
+    computation on its shuffled input, the other buckets' control rows are NaN, and the model runs
+    only on the last bucket's blocks."""
+    seq, bucket, c = 256, 64, 32
+    w = make_windows(1, seq, seed=5, n_run=False)[0]
+    every = score_window(scorer(GRULM(1)), w.tokens, w.repeat_mask, Layout(seq, bucket, c, ("truncated",)))
+    model = GRULM(1)
+    layout = Layout(seq, bucket, c, ("truncated", "shuffled"), controls_at="late")
+    late = score_window(scorer(model), w.tokens, w.repeat_mask, layout)
+    lengths = [x.shape[1] for x in model.inputs]
+
+    truncated, shuffled = MODES.index("truncated"), MODES.index("shuffled")
+    np.testing.assert_allclose(late.sums[truncated, :, 3], every.sums[truncated, :, 3], rtol=1e-6)
+    np.testing.assert_allclose(late.sums[0], every.sums[0], rtol=1e-6)
+    assert not np.allclose(late.sums[truncated, :, 3], late.sums[0, :, 3])  # the control did cut something
+    assert np.all(np.isnan(late.sums[[truncated, shuffled], :, :3]))
+
+    # Shuffled: blocks [192, 224) and [224, 256), each from its own generator (window content, block start).
+    expected = 0.0
+    for s in (192, 224):
+        mixed = np.concatenate([dinucleotide_shuffle(w.tokens[: s - c], shuffle_rng(w.tokens, s)), w.tokens[s - c : s + c]])
+        expected += direct_bits(model, mixed)[s - 1 : s + c - 1].sum()
+    assert late.sums[shuffled, :, 3].sum() == pytest.approx(expected, rel=1e-5)
+
+    # Runs: the full pass, 2 truncated blocks of 2C tokens less one, 2 shuffled runs to each block's end.
+    assert lengths == [seq - 1, 2 * c - 1, 2 * c - 1, 223, 255]
+    assert layout.forward_tokens() == {"full": seq - 1, "truncated": 2 * (2 * c - 1), "shuffled": 223 + 255}
+
+
+def test_late_controls_when_the_last_bucket_starts_before_2c():
+    """The last bucket's blocks start at the bucket (here not on the C grid): target j in [100, 128)
+    reads tokens [68, j) only. A single bucket: its targets before 2C keep the full-context loss (no
+    context beyond their real one), as with every-bucket controls."""
+    seq, c = 128, 32
+    w = make_windows(1, seq, seed=6, n_run=False)[0]
+    layout = Layout(seq, 100, c, ("truncated",), controls_at="late")  # buckets [0, 100), [100, 128)
+    late = score_window(scorer(GRULM(1)), w.tokens, w.repeat_mask, layout)
+    truncated = MODES.index("truncated")
+    assert np.all(np.isnan(late.sums[truncated, :, 0]))
+    expected = sum(direct_bits(GRULM(1), w.tokens[100 - c : j + 1])[-1] for j in range(100, seq))
+    assert late.sums[truncated, :, 1].sum() == pytest.approx(expected, rel=1e-5)
+    one_bucket = Layout(seq, seq, c, ("truncated",), controls_at="late")
+    whole = score_window(scorer(GRULM(1)), w.tokens, w.repeat_mask, one_bucket)
+    assert not np.any(np.isnan(whole.sums[truncated]))
+
+
+def test_layout_refuses_an_unknown_controls_at():
+    with pytest.raises(GenolongError, match="--controls-at") as err:
+        Layout(256, 64, 32, ("truncated",), controls_at="last")
+    assert "\n" not in str(err.value)
