@@ -1,0 +1,74 @@
+"""pipelines/longrange.sh, CPU-sized, end to end on the bundled genome: every stage runs, the
+evaluations write their tables, the comparison arm (indexer frozen) trains without the indexer
+changing, and a rerun skips what is done (the recipe resumes after an interruption)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The header's CPU-sized variant, on the bundled genome (E. coli trains, phage lambda is held out).
+CPU_SIZED = {
+    "FASTA": "bundled", "ASSEMBLY": "bundled", "PRESET": "tiny", "LAYERS": "4", "COPY_SEQ": "512", "COPY_BATCH": "4",
+    "COPY_STEPS": "8", "COPY_TOPK": "16", "WIDE_SEQ": "1k", "WIDE_STEPS": "2", "OWN_SEQ": "2k", "OWN_STEPS": "2",
+    "SEQ": "4k", "STEPS": "2", "BUCKET": "1k", "CONTROL": "1k", "MAX_WINDOWS": "3", "RECALL_WINDOWS": "2",
+    "MEMORY_FLAGS": "--no-recompute", "FINETUNE_FLAGS": "--no-progress",
+}
+
+
+def _pipeline(tree, **settings):
+    env = {**os.environ, **CPU_SIZED, "GENOLONG": f"{sys.executable} -m genolong", **settings}
+    out = subprocess.run(["bash", "pipelines/longrange.sh"], cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def _indexer_weights(model_dir):
+    weights = {}
+    for f in Path(model_dir).glob("*.safetensors"):
+        weights.update({k: v for k, v in load_file(f).items() if ".indexer." in k})
+    assert weights, f"no indexer weights in {model_dir}"
+    return weights
+
+
+@pytest.mark.slow
+def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "pipelines", tree / "pipelines")
+
+    # The comparison arm first: the indexer frozen in every stage.
+    frozen = _pipeline(tree, INDEXER_COEFF="0", TAG="lr-frozen", UNTIL="own")
+    assert "done (UNTIL=own)" in frozen
+
+    log = _pipeline(tree, TAG="lr")
+    for n in range(1, 8):
+        assert f"] {n}/7 " in log
+    doc = json.loads((tree / "eval/lr/positional.json").read_text())
+    assert doc["controls"] == ["truncated", "shuffled"] and doc["controls_at"] == "late"
+    assert doc["summary"]["n_windows"] == 3
+    assert doc["summary"]["long_range_late_shuffled"]["value"] is not None
+    assert doc["meta"]["models"]["baseline"]["label"].endswith("model")  # the own stage's model by default
+    recall = json.loads((tree / "eval/lr-recall/recall.json").read_text())
+    assert recall["windows"] or recall.get("n_windows")
+
+    # The indexer: unchanged from the copy stage's model to the own stage's in the frozen arm,
+    # changed in the trained one.
+    def same_indexer(tag):
+        before, after = _indexer_weights(tree / f"runs/{tag}-copy/model"), _indexer_weights(tree / f"runs/{tag}-own/model")
+        assert before.keys() == after.keys()
+        return all(torch.equal(before[k], after[k]) for k in before)
+
+    assert same_indexer("lr-frozen"), "INDEXER_COEFF=0 left the indexer training"
+    assert not same_indexer("lr")
+
+    # A rerun: every training stage is skipped, the evaluations are reused.
+    again = _pipeline(tree, TAG="lr")
+    assert again.count("finished") >= 4 and "step 1/" not in again
