@@ -18,20 +18,21 @@
 #   4 own         no oracle: the indexer's own selection, planted copies at a lower rate: the start
 #                 model of the long stage (and the baseline of the evaluation)
 #   5 long        real DNA only, at SEQ (512k), indexer trained
-#   6 recall      eval-recall on the held-out chromosome: copies at several distances, null-aware
-#   7 positional  eval-positional on the held-out chromosome at SEQ, the truncated and shuffled
-#                 controls, the long model vs BASELINE (the own stage's model unless set)
+#   6 positional  eval-positional on the held-out chromosome at SEQ, the truncated and shuffled
+#                 controls in the last bucket, the long model vs BASELINE (the own stage's model
+#                 unless set): the decisive number, so it runs first
+#   7 recall      eval-recall on the held-out chromosome: copies at several distances, null-aware
 # The comparison arm: the same stages with the indexer frozen at its initialisation (INDEXER_COEFF=0
 # in every stage: the oracle still teaches copying, but nothing teaches the indexer to find the
 # source), then the main arm's evaluation against it:
-#   INDEXER_COEFF=0 TAG=longrange-frozen UNTIL=recall bash pipelines/longrange.sh
+#   INDEXER_COEFF=0 TAG=longrange-frozen UNTIL=long bash pipelines/longrange.sh
 #   BASELINE=runs/longrange-frozen-long bash pipelines/longrange.sh
 # Settings (environment, defaults for one H200): ASSEMBLY (arenosa), FASTA / TRAIN / HOLDOUT, PRESET
 # (glm53-mini), LAYERS (8), COPY_SEQ (4k), COPY_BATCH (16), COPY_STEPS (600), COPY_TOPK (32), COPY_LR
 # (1e-3), WIDE_SEQ (32k), WIDE_BATCH (2), WIDE_STEPS (150), OWN_SEQ (64k), OWN_STEPS (100), SEQ (512k),
 # STEPS (20), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
 # (truncated,shuffled), CONTROLS_AT (late: the controls re-score the last bucket only; all), BASELINE (the positional baseline: a run or model directory), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: copy, widen, own,
-# long, recall, positional), MEMORY_FLAGS (memory flags of the short stages), FINETUNE_FLAGS (every
+# long, positional, recall), MEMORY_FLAGS (memory flags of the short stages), FINETUNE_FLAGS (every
 # stage), TAG (longrange).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,7 @@ CONTROL=${CONTROL:-32k}
 CONTROLS=${CONTROLS:-truncated,shuffled}
 MAX_WINDOWS=${MAX_WINDOWS:-20}
 RECALL_WINDOWS=${RECALL_WINDOWS:-16}
-UNTIL=${UNTIL:-positional}
+UNTIL=${UNTIL:-recall}
 MEMORY_FLAGS=${MEMORY_FLAGS:---no-recompute}
 FINETUNE_FLAGS=${FINETUNE_FLAGS:-}
 TAG=${TAG:-longrange}
@@ -111,15 +112,16 @@ finetune_or_resume "$RUNS-long" "$STEPS" --model "$RUNS-own/model" --seq "$SEQ" 
     --indexer-loss-coeff "$INDEXER_COEFF" $FINETUNE_FLAGS
 done_if long
 
-stage "6/7 recall on the held-out chromosome: copies of 64 bases, own vs long -> eval/$TAG-recall"
-$G eval-recall $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-long" --baseline "$RUNS-own/model" --seq "$OWN_SEQ" \
-    --len 64 --distances auto --windows "$RECALL_WINDOWS" --out "eval/$TAG-recall"
-done_if recall
-
 BASELINE=${BASELINE:-$RUNS-own/model}
-stage "7/7 held-out loss by position at $SEQ, long vs $BASELINE, controls $CONTROLS in the $CONTROLS_AT bucket(s) -> eval/$TAG"
+stage "6/7 held-out loss by position at $SEQ, long vs $BASELINE, controls $CONTROLS in the $CONTROLS_AT bucket(s) -> eval/$TAG"
 $G eval-positional $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-long" --baseline "$BASELINE" \
     --seq "$SEQ" --bucket "$BUCKET" --control-context "$CONTROL" --controls "$CONTROLS" --controls-at "$CONTROLS_AT" --max-windows "$MAX_WINDOWS" \
     --bootstrap 1000 --seed 0 --out "eval/$TAG"
+done_if positional
+
+stage "7/7 recall on the held-out chromosome: copies of 64 bases, own vs long -> eval/$TAG-recall"
+$G eval-recall $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-long" --baseline "$RUNS-own/model" --seq "$OWN_SEQ" \
+    --len 64 --distances auto --windows "$RECALL_WINDOWS" --out "eval/$TAG-recall"
+
 stage "done"
 echo "plot: eval/$TAG/positional.png  recall: eval/$TAG-recall/recall.png"

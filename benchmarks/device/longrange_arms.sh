@@ -34,10 +34,10 @@ python3 -m genolong prepare --fasta .lrdata/arenosa.fna.gz --train LR999451.1 --
     >> "$OUT/arm-trained.log" 2>&1 || exit 1
 rc_frozen=0
 if [ -n "$FROZEN_ENV" ]; then
-    arm "$OUT/arm-frozen.log" "$FROZEN_ENV UNTIL=recall" &
+    arm "$OUT/arm-frozen.log" "$FROZEN_ENV UNTIL=long" &
     frozen=$!
 fi
-arm "$OUT/arm-trained.log" UNTIL=recall
+arm "$OUT/arm-trained.log" UNTIL=long
 rc=$?
 if [ -n "$FROZEN_ENV" ]; then wait "$frozen"; rc_frozen=$?; fi
 echo "trained arm rc=$rc, frozen arm rc=$rc_frozen, $(left) s left"
