@@ -99,7 +99,8 @@ def plan(
     from genolong.errors import GenolongError
     from genolong.model import get_preset
     from genolong.parallel.layout import parse_layout
-    from genolong.train.plan import GPU_USABLE, HOST_USABLE, choose_tile, estimate_cpu_memory, estimate_memory, shortfall
+    from genolong.train.plan import GPU_USABLE, HOST_USABLE, choose_tile, estimate_cpu_memory, estimate_memory
+    from genolong.train.preflight import shortfall
     from genolong.train.plan_parallel import ParallelSetup, check_setup, gpu_memory_bytes, single_gpu_setup, tokens_per_gpu, traffic
     from genolong.train.plan_suggest import blockers, suggest as rank_layouts
 
