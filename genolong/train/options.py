@@ -23,9 +23,6 @@ from genolong.units import parse_length
 KERNEL_CHOICES = ("auto", "fused", "reference")
 LAUNCHERS = ("local", "ray")
 KEEP_CHOICES = ("auto", "host", "device", "off")
-# The memory flags `finetune` and `plan` share, by their parameter names in both commands (MemoryOptions.from_params).
-MEMORY_PARAMS = ("baseline", "recompute", "offload", "moe_chunk", "loss_chunk", "offload_layers", "gpu_budget_gib", "host_budget_gib",
-                 "pinned", "overlap", "keep_sparse", "moe_chunking", "keep_moe", "mhc_low_precision", "chunked_loss", "tile")
 
 
 @dataclass
@@ -111,8 +108,11 @@ class MemoryOptions:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], **overrides: Any) -> MemoryOptions:
-        """from_flags over a command's parsed parameters (typer's ctx.params), `overrides` replacing some."""
-        flags = {name: params[name] for name in MEMORY_PARAMS} | overrides
+        """from_flags over a command's parsed parameters (typer's ctx.params; the memory flags `finetune` and
+        `plan` share, genolong.train.flags.MEMORY), `overrides` replacing some."""
+        from genolong.train.flags import MEMORY
+
+        flags = {name: params[name] for name in MEMORY} | overrides
         return cls.from_flags(flags.pop("baseline"), offload_pinned=flags.pop("pinned"), offload_overlap=flags.pop("overlap"), **flags)
 
     def to_dict(self) -> dict[str, Any]:
