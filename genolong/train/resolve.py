@@ -27,7 +27,7 @@ from pathlib import Path
 
 from genolong.errors import GenolongError
 from genolong.train import checkpoint as ckpt_io
-from genolong.train.options import TrainOptions, resolve_device, resolve_dtype, resolve_kernels
+from genolong.train.options import TrainOptions
 from genolong.units import format_length
 
 
@@ -149,3 +149,31 @@ def open_sampler(options: TrainOptions, rank: int = 0, ranks: int = 1):
 
         sampler = PlantedRepeatSampler(sampler, PlantSpec.parse(options.planted_repeats), seed=options.seed)
     return sampler
+
+
+def resolve_device(options: TrainOptions) -> str:
+    import torch
+
+    if options.device:
+        if options.device.startswith("cuda") and not torch.cuda.is_available():
+            raise GenolongError(f"--device {options.device} but no CUDA GPU is visible; use --device cpu")
+        return options.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_kernels(options: TrainOptions, device: str) -> str:
+    """The ops policy (genolong.model.ops): unset means fused (fail loudly on fallback) on CUDA and
+    reference on CPU; "auto" is the ops policy of that name (fused where it runs, both recorded)."""
+    if options.kernels is not None:
+        return options.kernels
+    return "fused" if device.startswith("cuda") else "reference"
+
+
+def resolve_dtype(options: TrainOptions, device: str):
+    import torch
+
+    name = options.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise GenolongError(f"dtype must be bfloat16 or float32, got {name!r}")
+    return table[name]
