@@ -33,6 +33,7 @@ process group this is exactly the single-device loop (no collective is made).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +42,6 @@ import random
 import shutil
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
