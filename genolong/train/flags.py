@@ -232,7 +232,7 @@ def train_options(params: Mapping[str, Any], memory):
         value = params[name]
         if flag.kind == "length":
             value = parse_length(value, flag_text(name))
-        elif flag.kind == "path" and value is not None and name != "out":
+        elif name in ("data", "model") and value is not None:
             # Absolute: a resume (--data), or eval-positional reading the run's baseline (--model), works from any directory.
             value = str(Path(value).resolve())
         values[flag.target] = value
