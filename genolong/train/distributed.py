@@ -1,13 +1,13 @@
 """The processes of a training run: one (no process group: today's loop), or one rank of a torchrun /
 Ray world with its ParallelMesh (docs/parallel.md).
 
-`start(options, config, device)` is called by every process of a run after the checks that need
-no device: under torchrun's environment (RANK, WORLD_SIZE, ...) it joins the process group (NCCL
-on CUDA, gloo on the CPU) with the run's collective timeout, checks `--parallel` against the
-number of processes started, and builds the mesh. `--parallel` unset under torchrun means
-dp = the number of processes. What the loop needs from the mesh is here too: which sequences
-and which part of them this rank reads, the sums that make the loss and the metrics global, and
-which rank writes logs (rank 0).
+`start(options, device)` is called by every process of a run after `check_processes` (part of
+resolving the run, genolong.train.resolve): under torchrun's environment (RANK, WORLD_SIZE, ...)
+it joins the process group (NCCL on CUDA, gloo on the CPU) with the run's collective timeout and
+builds the mesh of the layout that check_processes accepted for the number of processes started.
+`--parallel` unset under torchrun means dp = the number of processes. What the loop needs from the
+mesh is here too: which sequences and which part of them this rank reads, the sums that make the
+loss and the metrics global, and which rank writes logs (rank 0).
 """
 
 from __future__ import annotations
@@ -134,15 +134,14 @@ def check_processes(options, config) -> None:
         )
 
 
-def start(options, config, device: str) -> Processes:
-    """This process's place in the run (module docstring). Collective under torchrun."""
+def start(options, device: str) -> Processes:
+    """This process's place in the run (module docstring); `check_processes` has passed in this
+    process. Collective under torchrun."""
     world = launched_world()
     if world is None:
-        check_processes(options, config)
         return Processes(device=device)
     from genolong.parallel.mesh import build_mesh, init_distributed
 
-    check_processes(options, config)
     layout = requested_layout(options)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     owns = not dist.is_initialized()

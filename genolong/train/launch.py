@@ -49,9 +49,9 @@ def launch(options: TrainOptions) -> list[dict]:
     from genolong.parallel.mesh import launched_world
     from genolong.train.loop import check_inputs
 
-    check_inputs(options)
+    spec = check_inputs(options)
     if launched_world() is not None:
-        return _run_here(options)
+        return _run_here(options, spec)
     if options.launcher == "ray":
         from genolong.train.launch_ray import launch_ray
 
@@ -59,8 +59,9 @@ def launch(options: TrainOptions) -> list[dict]:
     return _launch_local(options)
 
 
-def _run_here(options: TrainOptions) -> list[dict]:
-    """One rank of a torchrun world: the loop in this process; a rank other than 0 names itself in its error."""
+def _run_here(options: TrainOptions, spec) -> list[dict]:
+    """One rank of a torchrun world: the loop in this process (with the run as `launch` resolved it);
+    a rank other than 0 names itself in its error."""
     from genolong.parallel.mesh import launched_world
     from genolong.train.loop import train
 
@@ -69,7 +70,7 @@ def _run_here(options: TrainOptions) -> list[dict]:
     # with SIGKILL, the agent cannot stop them, and they would train on holding the run's lock.
     lifeline.follow_parent(os.getppid())
     try:
-        return train(options)
+        return train(options, spec)
     except GenolongError as err:
         if rank == 0:
             raise

@@ -33,6 +33,7 @@ process group this is exactly the single-device loop (no collective is made).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -57,7 +58,7 @@ from genolong.train import distributed
 from genolong.train.balance import ExpertBalancer
 from genolong.train.flops import peak_flops, step_flops
 from genolong.train.host_allocator import keep_freed_host_memory
-from genolong.model.presets import set_indexer_topk, with_indexer_topk
+from genolong.model.presets import set_indexer_topk
 from genolong.train.copy_oracle import oracle_keys, selection_oracle
 from genolong.train.indexer import IndexerTraining, trainable_parameters
 from genolong.train.loss import (
@@ -71,13 +72,8 @@ from genolong.train.optim import MasterAdamW, clip_scale, lr_at
 from genolong.train.progress_lines import progress_display
 from genolong.train.plan import moe_chunks_checkpointed
 from genolong.train.passes import parallelize
-from genolong.train.options import (
-    TrainOptions,
-    resolve_device,
-    resolve_dtype,
-    resolve_kernels,
-)
-from genolong.units import format_length
+from genolong.train.options import TrainOptions
+from genolong.train.resolve import RunSpec, open_sampler, resolve
 from genolong.vocab import N_ID
 
 log = logging.getLogger("genolong.train")
@@ -99,53 +95,32 @@ class _Batch:
     oracle: torch.Tensor | None = None  # [b, T] int64 key each query copies from (--copy-oracle); None = off
 
 
-def check_inputs(options: TrainOptions) -> None:
-    """Every check that needs no model and no device: run by the launcher before it starts a worker,
-    so that bad input is one line at once (the worker's `train` repeats them, cheaply)."""
-    options.validate()
-    if not options.out:
-        raise GenolongError("--out is required: the run directory for the log and checkpoints")
-    if not options.data:
-        raise GenolongError("--data is required: a directory written by `genolong prepare`")
-    if options.resume:
-        ckpt_io.check_run_dir(options.out)
-    elif options.overwrite:
-        ckpt_io.check_replaceable(options.out)
-    else:
-        ckpt_io.refuse_occupied(options.out)
-    _open_sampler(options)
-    if options.model_path and not options.resume:
-        from genolong.model.checkpoint import read_config
-        from genolong.model.hf_config import from_hf
-        from genolong.model.vocab import dna_to_checkpoint_ids
-
-        config = from_hf(read_config(options.model_path))
-        dna_to_checkpoint_ids(options.model_path, vocab_size=config.vocab_size)
-    elif options.preset and not options.resume:
-        from genolong.model import get_preset
-
-        get_preset(options.preset)
-    resolve_dtype(options, resolve_device(options))
-    distributed.check_processes(options, _model_config(options))
+def check_inputs(options: TrainOptions) -> RunSpec:
+    """Every check that needs no model weights and no device, and the run resolved
+    (genolong.train.resolve): run by the launcher before it starts a worker, so that bad input is
+    one line at once; `train` takes the result rather than checking twice in one process."""
+    return resolve(options)
 
 
-def train(options: TrainOptions) -> list[dict]:
+def train(options: TrainOptions, spec: RunSpec | None = None) -> list[dict]:
     """Run, or with `options.resume` continue, the run in `options.out`; return this invocation's records
-    (on every rank of a multi-process run; rank 0 writes the logs).
+    (on every rank of a multi-process run; rank 0 writes the logs). `spec`: `check_inputs(options)`
+    when the caller has run it in this process already.
 
     The run directory is locked for the whole call (genolong.train.checkpoint.locked; by rank 0 in a
     multi-process run: the other ranks do not write in it but through rank 0 or into checkpoints)."""
-    check_inputs(options)
+    if spec is None or spec.options is not options:
+        spec = check_inputs(options)
     with ckpt_io.locked(options.out) if distributed.launched_rank() == 0 else contextlib.nullcontext():
-        return _train_locked(options)
+        return _train_locked(spec)
 
 
-def _train_locked(options: TrainOptions) -> list[dict]:
+def _train_locked(spec: RunSpec) -> list[dict]:
     default_cuda_allocator()
-    procs = distributed.start(options, _model_config(options), resolve_device(options))
+    procs = distributed.start(spec.options, spec.device)
     finished = False
     try:
-        records = _train(options, procs)
+        records = _train(spec.on_device(procs.device), procs)
         finished = True
         return records
     finally:
@@ -160,27 +135,29 @@ def _restart_hint(run_dir: Path) -> str:
     return f" from its last good checkpoint: --model {last / ckpt_io.MODEL_DIR} --out <a new run>"
 
 
-def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
-    device = procs.device
-    dtype = resolve_dtype(options, device)
+def _train(spec: RunSpec, procs: distributed.Processes) -> list[dict]:
+    options, device = spec.options, spec.device
     if device.startswith("cpu"):
         keep_freed_host_memory()  # genolong/train/host_allocator.py: ~14k page faults per 2k tiny step otherwise
     run_dir = Path(options.out)
-    resume_from = ckpt_io.check_run_dir(run_dir) if options.resume else None
+    if options.resume and ckpt_io.check_run_dir(run_dir) != spec.resume_from:
+        # A checkpoint completed between the check and taking the lock: resolve against it.
+        spec = check_inputs(options).on_device(device)
+    resume_from = spec.resume_from
     # Before the run directory is touched: a run refused for memory leaves nothing to clean up.
     layout = procs.layout
     if layout.cp == layout.tp == layout.ep == layout.fsdp == 1:
         # The plan assumes one whole sequence per GPU; split layouts have their own plan (genolong plan --parallel).
-        _preflight(_model_config(options, resume_from), options, device)
+        spec = spec.planned()
     # Every rank has checked --out before rank 0 changes anything there.
     procs.barrier()
     if procs.main:
         _prepare_run_dir(run_dir, options, resume_from)
 
     _seed_everything(options.seed)
-    sampler = _open_sampler(options, *procs.coords("batch"))
-    model, dna_map = _build_model(options, device, dtype, resume_from, procs)
-    parallel = parallelize(model, options, procs.pmesh, kernels=resolve_kernels(options, device))
+    sampler = open_sampler(options, *procs.coords("batch"))
+    model, dna_map = _build_model(spec, procs)
+    parallel = parallelize(model, options, procs.pmesh, kernels=spec.kernels)
     if _on_meta(model):
         _materialise(model, options, device, resume_from, parallel)
     handle = parallel.memory
@@ -240,13 +217,15 @@ def _train(options: TrainOptions, procs: distributed.Processes) -> list[dict]:
         progress = progress_display(options.steps, start, options.progress, compiling=device.startswith("cuda"))
     else:
         jsonl = tensorboard = progress = _Discard()
+    ctx = _StepContext(model=model, optimizer=optimizer, options=options, device=device, parallel=parallel, indexer=indexer,
+                       procs=procs, balancer=balancer, loss_chunk=chunk, flops=flops, peak_flops=peak)
     records: list[dict] = []
     parallel.policy.reset_audit()
     model.train()
     try:
         for step in range(start, end):
             batch = next(batches)
-            record = _train_step(model, optimizer, batch, options, step, chunk, device, parallel, flops, peak, indexer, procs, balancer=balancer)
+            record = _train_step(ctx, batch, step)
             nonfinite_run = nonfinite_run + 1 if record.skipped else 0
             nonfinite_total += int(record.skipped)
             record.nonfinite_total = nonfinite_total
@@ -305,7 +284,26 @@ class _Discard:
         pass
 
 
-def _train_step(model, optimizer, batch_list, options, step, chunk, device, parallel, flops, peak, indexer, procs, balancer=None) -> StepRecord:
+@dataclass(frozen=True)
+class _StepContext:
+    """What every step of a run uses, set up once by `_train`."""
+
+    model: torch.nn.Module
+    optimizer: MasterAdamW
+    options: TrainOptions
+    device: str
+    parallel: object  # genolong.train.passes.Parallelized
+    indexer: IndexerTraining
+    procs: distributed.Processes
+    balancer: ExpertBalancer | None
+    loss_chunk: int  # tokens per chunk of the chunked loss head
+    flops: object  # genolong.train.flops.StepFlops of one optimizer step
+    peak_flops: float | None  # the world's peak FLOP/s (None: unknown device, no MFU)
+
+
+def _train_step(ctx: _StepContext, batch_list: list[_Batch], step: int) -> StepRecord:
+    model, optimizer, options, device, parallel = ctx.model, ctx.optimizer, ctx.options, ctx.device, ctx.parallel
+    indexer, procs, balancer, chunk, flops, peak = ctx.indexer, ctx.procs, ctx.balancer, ctx.loss_chunk, ctx.flops, ctx.peak_flops
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize(device)
@@ -500,48 +498,16 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _open_sampler(options: TrainOptions, rank: int = 0, ranks: int = 1):
-    """The window sampler of batch rank `rank` of `ranks` (genolong.parallel.data: every rank draws
-    from the run's one stream of windows, each step's `batch` windows split over the ranks)."""
-    from genolong.data import WindowSampler, open_prepared
-
-    if not Path(options.data).is_dir():
-        raise GenolongError(f"--data {options.data}: no such directory; run `genolong prepare` first and pass its --out")
-    genome = open_prepared(options.data)
-    # seq_len + 1 bases: the model reads seq_len tokens and predicts each one's successor.
-    records = genome.records(options.split)
-    longest = max((n for _, n in records), default=0)
-    if options.seq_len + 1 > longest:
-        raise GenolongError(
-            f"--seq {format_length(options.seq_len)} needs windows of {options.seq_len + 1:,} bases (the inputs plus "
-            f"one shifted target) but the longest {options.split!r} record of {options.data} has {longest:,}; "
-            f"use --seq {longest - 1} or less, or prepare longer records into that split"
-        )
-    sampler = WindowSampler(
-        genome,
-        options.split,
-        options.seq_len + 1,
-        seed=options.seed,
-        max_n_fraction=options.max_n_fraction,
-        reverse_complement=options.reverse_complement,
-        rank=rank,
-        world_size=ranks,
-    )
-    if options.planted_repeats:
-        from genolong.data.planted import PlantedRepeatSampler, PlantSpec
-
-        sampler = PlantedRepeatSampler(sampler, PlantSpec.parse(options.planted_repeats), seed=options.seed)
-    return sampler
-
-
-def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_from: Path | None, procs=None):
-    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset.
-    A multi-process checkpoint's weights are loaded later (`_restore`), into the model after its
-    parallel passes; with tp, ep or fsdp the model comes back on the meta device (`_materialise`).
-    The memory pre-flight has run before (`_train`, before the run directory is touched)."""
+def _build_model(spec: RunSpec, procs=None):
+    """(model, DNA -> token id map or None). Order: resume checkpoint, then --model, then --preset
+    (the model `spec.config` describes). A multi-process checkpoint's weights are loaded later
+    (`_restore`), into the model after its parallel passes; with tp, ep or fsdp the model comes back
+    on the meta device (`_materialise`). The memory pre-flight has run before (`_train`, before the
+    run directory is touched)."""
     from genolong.model import GenoLongForCausalLM, from_pretrained
     from genolong.model.vocab import dna_to_checkpoint_ids
 
+    options, device, dtype, resume_from = spec.options, spec.device, spec.dtype, spec.resume_from
     dna_map = None
     # With tp, ep or fsdp a rank holds part of the weights: it builds on the meta device and
     # allocates and reads only its slices after the passes (_materialise).
@@ -553,11 +519,10 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
     elif resume_from is not None or options.model_path:
         source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
         if sharded:
-            from genolong.model.checkpoint import read_config
-            from genolong.model.hf_config import from_hf
             from genolong.parallel.sharded_load import build_meta
 
-            model = build_meta(from_hf(read_config(source), name=source.name), dtype)
+            # The checkpoint's config as resolved, named as from_pretrained names it.
+            model = build_meta(dataclasses.replace(spec.config, name=source.name), dtype)
         else:
             model = from_pretrained(source, dtype=dtype, device=device)
         if resume_from is not None:
@@ -566,9 +531,8 @@ def _build_model(options: TrainOptions, device: str, dtype: torch.dtype, resume_
         else:
             dna_map = dna_to_checkpoint_ids(source, vocab_size=model.config.vocab_size)
     else:
-        config = _model_config(options, resume_from)
         with torch.device(device):
-            model = GenoLongForCausalLM(config, dtype=dtype)
+            model = GenoLongForCausalLM(spec.config, dtype=dtype)
     if options.indexer_topk is not None:
         set_indexer_topk(model, options.indexer_topk)
     if dna_map is not None:
@@ -628,35 +592,6 @@ def _restore(ckpt: Path, model, optimizer, procs) -> dict:
     return state
 
 
-def _model_config(options: TrainOptions, resume_from: Path | None = None):
-    """The config of the model the run will build (same order as _build_model), read without weights."""
-    from genolong.model import get_preset
-    from genolong.model.checkpoint import read_config
-    from genolong.model.hf_config import from_hf
-
-    if resume_from is None and options.resume:
-        resume_from = ckpt_io.check_run_dir(options.out)
-    if resume_from is not None and dist_ckpt.is_distributed(resume_from):
-        return from_hf(read_config(resume_from))
-    if resume_from is not None or options.model_path:
-        source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
-        return with_indexer_topk(from_hf(read_config(source)), options.indexer_topk)
-    config = get_preset(options.preset) if options.layers is None else get_preset(options.preset, num_layers=options.layers)
-    return with_indexer_topk(config, options.indexer_topk)
-
-
-def _preflight(config, options: TrainOptions, device: str) -> None:
-    """Refuse a run that cannot fit before the model and its activations are allocated: GPU memory
-    and pinned host memory on CUDA, RAM on the CPU."""
-    from genolong.train.plan import preflight, preflight_cpu
-
-    dtype_bytes = resolve_dtype(options, device).itemsize
-    if not device.startswith("cuda"):
-        preflight_cpu(config, options.seq_len, options.memory, batch=options.micro_batch, dtype_bytes=dtype_bytes)
-        return
-    preflight(config, options.seq_len, options.memory, n_gpus=1, batch=options.micro_batch, dtype_bytes=dtype_bytes)
-
-
 def _write_compile_setup(run_dir: Path, compiled) -> None:
     """What the compile pass replaced and what dynamo did during the first step (graphs, breaks)."""
     if compiled is not None:
@@ -672,7 +607,7 @@ def _host_peak(handle) -> float | None:
 def _batches(options: TrainOptions, sampler, dna_map, device: str, start: int, procs):
     """Infinite iterator of this rank's steps from step `start` on; a step is a list of `grad_accum`
     micro-batches of this rank's windows (its share of the step's `batch`, genolong.parallel.data)."""
-    rank, ranks = procs.coords("batch")  # the sampler's sharding (_open_sampler)
+    rank, ranks = procs.coords("batch")  # the sampler's sharding (open_sampler)
     cp = procs.coords("cp")
     if options.overfit:
         # The fixed set is the run's first windows (same seed -> same set on resume, at any layout).

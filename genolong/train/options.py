@@ -23,9 +23,6 @@ from genolong.units import parse_length
 KERNEL_CHOICES = ("auto", "fused", "reference")
 LAUNCHERS = ("local", "ray")
 KEEP_CHOICES = ("auto", "host", "device", "off")
-# The memory flags `finetune` and `plan` share, by their parameter names in both commands (MemoryOptions.from_params).
-MEMORY_PARAMS = ("baseline", "recompute", "offload", "moe_chunk", "loss_chunk", "offload_layers", "gpu_budget_gib", "host_budget_gib",
-                 "pinned", "overlap", "keep_sparse", "moe_chunking", "keep_moe", "mhc_low_precision", "chunked_loss", "tile")
 
 
 @dataclass
@@ -111,8 +108,11 @@ class MemoryOptions:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], **overrides: Any) -> MemoryOptions:
-        """from_flags over a command's parsed parameters (typer's ctx.params), `overrides` replacing some."""
-        flags = {name: params[name] for name in MEMORY_PARAMS} | overrides
+        """from_flags over a command's parsed parameters (typer's ctx.params; the memory flags `finetune` and
+        `plan` share, genolong.train.flags.MEMORY), `overrides` replacing some."""
+        from genolong.train.flags import MEMORY
+
+        flags = {name: params[name] for name in MEMORY} | overrides
         return cls.from_flags(flags.pop("baseline"), offload_pinned=flags.pop("pinned"), offload_overlap=flags.pop("overlap"), **flags)
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,7 +220,7 @@ class TrainOptions:
     seed: int = 0
     save_every: int = 0  # 0 = only at the end
     keep_last: int = 2
-    kernels: str | None = None  # None = fused on CUDA, reference on CPU (see resolve_kernels)
+    kernels: str | None = None  # None = fused on CUDA, reference on CPU (genolong.train.resolve)
     device: str | None = None  # None = cuda if available, else cpu
     dtype: str | None = None  # None = bfloat16 on CUDA, float32 on CPU
     split: str = "train"
@@ -360,34 +360,6 @@ class TrainOptions:
             layout = parse_layout(self.parallel)
             if layout is not None and layout.cp > 1:
                 raise GenolongError("--copy-oracle runs on whole sequences: drop it or use a layout without cp")
-
-
-def resolve_device(options: TrainOptions) -> str:
-    import torch
-
-    if options.device:
-        if options.device.startswith("cuda") and not torch.cuda.is_available():
-            raise GenolongError(f"--device {options.device} but no CUDA GPU is visible; use --device cpu")
-        return options.device
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_kernels(options: TrainOptions, device: str) -> str:
-    """The ops policy (genolong.model.ops): unset means fused (fail loudly on fallback) on CUDA and
-    reference on CPU; "auto" is the ops policy of that name (fused where it runs, both recorded)."""
-    if options.kernels is not None:
-        return options.kernels
-    return "fused" if device.startswith("cuda") else "reference"
-
-
-def resolve_dtype(options: TrainOptions, device: str):
-    import torch
-
-    name = options.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-    if name not in table:
-        raise GenolongError(f"dtype must be bfloat16 or float32, got {name!r}")
-    return table[name]
 
 
 def _known(cls, d: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from genolong.train.flags import MEMORY, Flag, flag_section, with_flags
 from genolong.train.options import MemoryOptions
 from genolong.units import format_length, parse_length
 
@@ -39,57 +40,58 @@ GIB = 1024**3
 EXIT_DOES_NOT_FIT = 3
 
 
+# plan's own flags; the model, length, dtype, micro-batch and memory flags are finetune's (genolong.train.flags).
+OWN = flag_section(
+    Flag("gpus", int | None, None, "GPUs: with --suggest, the count to lay out; alone, the sequence split over them (--parallel cp=N --fsdp)",
+         show_default=False),
+    Flag("parallel", str | None, None, "Parallel layout, e.g. cp=8,ep=8 (dp, cp, tp, ep; docs/parallel.md)", show_default=False),
+    Flag("suggest", bool, False, "Plan every layout of --gpus and print the best (fit, then communication)", decls=("--suggest",)),
+    Flag("top", int, 8, "Layouts --suggest prints"),
+    Flag("fsdp", bool | None, None, "Shard weights, gradients and optimizer state over their replicas (a plan; --suggest tries both unless given)",
+         decls=("--fsdp/--no-fsdp",), show_default=False),
+    Flag("kda_cp", str, "state", "How cp splits KDA layers: state (passing) or ulysses (head split)"),
+    Flag("optimizer_on_host", bool, False, "Keep fp32 masters and AdamW moments in host RAM (a plan: not implemented)", decls=("--optimizer-on-host",)),
+    Flag("moe_skew", float, 4.0, "Rows the busiest ep rank receives over the mean (real routing: ~4)"),
+    Flag("gpu_type", str, "h200", "h100, h200, b200, or the GPU's memory in GiB"),
+    Flag("gpus_per_node", int, 8, "GPUs sharing one node's host RAM"),
+    Flag("node_ram_gib", float | None, None, "One node's RAM, GiB (default: this machine's)", show_default=False),
+    Flag("device", str, "cuda", "cuda (GPU + pinned host memory) or cpu (a CPU run: everything in RAM)"),
+    Flag("batch", int | None, None, "Sequences per optimizer step, as in finetune (default: one per data-parallel rank and micro-batch)",
+         show_default=False),
+    # The spellings before 0.2: the machine's memory, converted to budgets with a deprecation line.
+    Flag("gpu_gib", float | None, None, hidden=True),
+    Flag("host_gib", float | None, None, hidden=True),
+)
+PLAN = ("seq", "preset", "gpus", "parallel", "suggest", "top", "fsdp", "kda_cp", "optimizer_on_host", "moe_skew", "gpu_type", "gpus_per_node",
+        "node_ram_gib", "device", "dtype", "batch", "grad_accum", *MEMORY, "gpu_gib", "host_gib")
+
+
+@with_flags(PLAN, OWN)
 def plan(
     ctx: typer.Context,
-    seq: str = typer.Option("512k", "--seq", help="Tokens per sequence: 32k, 512k, 1M, ..."),
-    preset: str = typer.Option("glm53-mini", "--preset", help="Model preset (glm-5.3-flash, glm53-mini, tiny)"),
-    gpus: int | None = typer.Option(
-        None, "--gpus", help="GPUs: with --suggest, the count to lay out; alone, the sequence split over them (--parallel cp=N --fsdp)", show_default=False
-    ),
-    parallel: str | None = typer.Option(None, "--parallel", help="Parallel layout, e.g. cp=8,ep=8 (dp, cp, tp, ep; docs/parallel.md)", show_default=False),
-    suggest: bool = typer.Option(False, "--suggest", help="Plan every layout of --gpus and print the best (fit, then communication)"),
-    top: int = typer.Option(8, "--top", help="Layouts --suggest prints"),
-    fsdp: bool | None = typer.Option(
-        None, "--fsdp/--no-fsdp", help="Shard weights, gradients and optimizer state over their replicas (a plan; --suggest tries both unless given)", show_default=False
-    ),
-    kda_cp: str = typer.Option("state", "--kda-cp", help="How cp splits KDA layers: state (passing) or ulysses (head split)"),
-    optimizer_on_host: bool = typer.Option(False, "--optimizer-on-host", help="Keep fp32 masters and AdamW moments in host RAM (a plan: not implemented)"),
-    moe_skew: float = typer.Option(4.0, "--moe-skew", help="Rows the busiest ep rank receives over the mean (real routing: ~4)"),
-    gpu_type: str = typer.Option("h200", "--gpu-type", help="h100, h200, b200, or the GPU's memory in GiB"),
-    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs sharing one node's host RAM"),
-    node_ram_gib: float | None = typer.Option(None, "--node-ram-gib", help="One node's RAM, GiB (default: this machine's)", show_default=False),
-    device: str = typer.Option("cuda", "--device", help="cuda (GPU + pinned host memory) or cpu (a CPU run: everything in RAM)"),
-    dtype: str | None = typer.Option(None, "--dtype", help="bfloat16 or float32 (default: bfloat16 on cuda, float32 on cpu)", show_default=False),
-    gpu_budget_gib: float | None = typer.Option(
-        None, "--gpu-budget-gib", help="GPU memory one step may use, GiB (default: 92% of the GPU's memory)", show_default=False
-    ),
-    host_budget_gib: float | None = typer.Option(
-        None,
-        "--host-budget-gib",
-        help="Host memory for offloaded layer inputs per GPU, GiB; on --device cpu, for the whole run (default: 80% of the node's RAM, shared by its GPUs)",
-        show_default=False,
-    ),
-    batch: int | None = typer.Option(
-        None, "--batch", help="Sequences per optimizer step, as in finetune (default: one per data-parallel rank and micro-batch)", show_default=False
-    ),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches the step's sequences are split into (as in finetune)"),
-    baseline: bool = typer.Option(False, "--baseline", help="Every memory optimization off"),
-    recompute: bool = typer.Option(True, "--recompute/--no-recompute", help="Full-layer activation recompute"),
-    offload: bool = typer.Option(True, "--offload/--no-offload", help="Offload layer inputs to pinned host memory"),
-    offload_layers: int | None = typer.Option(None, "--offload-layers", help="Layers to offload (default: as many as needed)"),
-    keep_sparse: str = typer.Option("auto", "--keep-sparse", help="Kept DSA results under recompute: auto, host, device, off (as in finetune)"),
-    moe_chunking: bool = typer.Option(True, "--moe-chunking/--no-moe-chunking", help="MoE in checkpointed sequence chunks"),
-    moe_chunk: str = typer.Option("64k", "--moe-chunk", help="Tokens per MoE chunk"),
-    tile: str = typer.Option("auto", "--tile", help="Each layer in sequence tiles of this many tokens (as in finetune); auto: "
-                                                     "the longest tile that fits when whole layers do not (one GPU); off"),
-    keep_moe: bool = typer.Option(False, "--keep-moe/--no-keep-moe", help="Kept MoE outputs under recompute (as in finetune)"),
-    chunked_loss: bool = typer.Option(True, "--chunked-loss/--no-chunked-loss", help="LM head + loss in sequence chunks"),
-    loss_chunk: str | None = typer.Option(None, "--loss-chunk", help="Tokens per loss chunk (default: ~1 GiB of fp32 logits)", show_default=False),
-    mhc_low_precision: bool = typer.Option(True, "--mhc-low-precision/--no-mhc-low-precision", help="mHC projection without an fp32 input copy"),
-    pinned: bool = typer.Option(True, "--pinned/--no-pinned", help="Pinned (page-locked) host buffers"),
-    overlap: bool = typer.Option(True, "--overlap/--no-overlap", help="Offload copies on their own streams (one prefetch buffer)"),
-    gpu_gib: float | None = typer.Option(None, "--gpu-gib", hidden=True),
-    host_gib: float | None = typer.Option(None, "--host-gib", hidden=True),
+    *,
+    seq: str,
+    preset: str,
+    gpus: int | None,
+    parallel: str | None,
+    suggest: bool,
+    top: int,
+    fsdp: bool | None,
+    kda_cp: str,
+    optimizer_on_host: bool,
+    moe_skew: float,
+    gpu_type: str,
+    gpus_per_node: int,
+    node_ram_gib: float | None,
+    device: str,
+    dtype: str | None,
+    batch: int | None,
+    grad_accum: int,
+    gpu_budget_gib: float | None,
+    host_budget_gib: float | None,
+    gpu_gib: float | None,
+    host_gib: float | None,
+    **memory_flags: object,
 ) -> None:
     """Estimate GPU and pinned host memory (or, with --device cpu, RAM) of one training step.
 
@@ -99,7 +101,8 @@ def plan(
     from genolong.errors import GenolongError
     from genolong.model import get_preset
     from genolong.parallel.layout import parse_layout
-    from genolong.train.plan import GPU_USABLE, HOST_USABLE, choose_tile, estimate_cpu_memory, estimate_memory, shortfall
+    from genolong.train.plan import GPU_USABLE, HOST_USABLE, choose_tile, estimate_cpu_memory, estimate_memory
+    from genolong.train.preflight import shortfall
     from genolong.train.plan_parallel import ParallelSetup, check_setup, gpu_memory_bytes, single_gpu_setup, tokens_per_gpu, traffic
     from genolong.train.plan_suggest import blockers, suggest as rank_layouts
 

@@ -19,34 +19,20 @@ records where each parameter's value came from.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 from genolong.errors import GenolongError
+from genolong.train.flags import ALL, CHANGEABLE, changeable_flags
+from genolong.train.flags import flag_text as _flag
 from genolong.train.options import MemoryOptions, TrainOptions
 from genolong.units import parse_length
 
-PER_INVOCATION = ("stop_after", "device", "dtype", "kernels", "compile", "launcher", "ray_address", "parallel", "dist_timeout_s", "progress")
-PER_RUN = ("steps", "save_every", "keep_last")
-CHANGEABLE = PER_RUN + PER_INVOCATION
+__all__ = ["CHANGEABLE", "changeable_flags", "resume_options"]
+
 # Read with the default when not given (they describe this invocation, not the run).
 _ALWAYS_FROM_COMMAND_LINE = ("stop_after", "launcher", "parallel", "progress")
 _NOT_OPTIONS = ("resume", "ctx", "overwrite")
-
-# Command-line parameter -> (TrainOptions attribute path, how to read the flag's value).
-_RENAMED = {
-    "seq": ("seq_len", "length"),
-    "model": ("model_path", "path"),
-    "data": ("data", "path"),
-    "out": ("out", "path"),
-    "moe_chunk": ("memory.moe_chunk_tokens", "length"),
-    "loss_chunk": ("memory.loss_chunk_tokens", "length"),
-    "pinned": ("memory.offload_pinned", None),
-    "overlap": ("memory.offload_overlap", None),
-    "gpu_budget": ("memory.gpu_budget_gib", None),
-    "host_budget": ("memory.host_budget_gib", None),
-}
 _SWITCHES = ("recompute", "offload", "offload_pinned", "offload_overlap", "moe_chunking", "mhc_low_precision", "chunked_loss")
 
 
@@ -79,19 +65,6 @@ def resume_options(run_dir: str, values: dict[str, Any], given: set[str]) -> Tra
     return options
 
 
-def changeable_flags() -> str:
-    """The flags --resume accepts, as `finetune --help`, its errors and the README list them."""
-    return ", ".join(_flag(n) for n in CHANGEABLE)
-
-
-
-def _flag(name: str, value: Any = None) -> str:
-    flag = "--" + name.replace("_", "-")
-    if isinstance(value, bool):
-        return flag if value else f"--no-{name.replace('_', '-')}"
-    return flag if value is None else f"{flag} {value}"
-
-
 def _get(options: TrainOptions, path: str) -> Any:
     obj: Any = options
     for part in path.split("."):
@@ -100,17 +73,11 @@ def _get(options: TrainOptions, path: str) -> Any:
 
 
 def _target(name: str) -> tuple[str, str | None] | None:
-    if name in _RENAMED:
-        return _RENAMED[name]
-    if name in {f.name for f in dataclasses.fields(TrainOptions)}:
-        return name, None
-    if name in _memory_fields():
-        return f"memory.{name}", None
-    return None
-
-
-def _memory_fields() -> set[str]:
-    return {f.name for f in dataclasses.fields(MemoryOptions)}
+    """(the option the flag sets, how its text is read: genolong.train.flags.Flag); None: no run option."""
+    flag = ALL.get(name)
+    if flag is None or flag.target is None:
+        return None
+    return flag.target, flag.kind
 
 
 def _matches(name: str, value: Any, options: TrainOptions) -> bool | None:

@@ -27,9 +27,10 @@ TRAINED = {"indexer_loss_coeff": 1.0, "indexer_warmup_steps": 2, "indexer_recall
 
 def _initial_weights(options):
     """The weights `train` starts from (same seeding and construction order as the loop)."""
+    spec = loop.check_inputs(options)
     loop._seed_everything(options.seed)
-    loop._open_sampler(options)
-    model, _ = loop._build_model(options, "cpu", torch.float32, None)
+    loop.open_sampler(options)
+    model, _ = loop._build_model(spec)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 

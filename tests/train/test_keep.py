@@ -259,7 +259,8 @@ def test_the_replayed_attention_refuses_a_double_backward():
 
 
 def test_plans_with_kept_results_on_the_cpu_and_the_fix_when_they_do_not_fit():
-    from genolong.train.plan import estimate_cpu_memory, estimate_memory, shortfall
+    from genolong.train.plan import estimate_cpu_memory, estimate_memory
+    from genolong.train.preflight import shortfall
 
     tiny = get_preset("tiny")
     host = estimate_cpu_memory(tiny, 4096, MemoryOptions(keep_sparse="host"), ram_bytes=8 << 30)  # one RAM: kept in it

@@ -118,7 +118,8 @@ def test_keep_moe_needs_recompute_and_moe_chunking_in_one_line():
 
 
 def test_the_plan_counts_the_kept_moe_outputs():
-    from genolong.train.plan import estimate_memory, shortfall
+    from genolong.train.plan import estimate_memory
+    from genolong.train.preflight import shortfall
 
     mini = get_preset("glm53-mini")
     n_moe, seq = _n_moe(mini), 131072

@@ -128,10 +128,10 @@ def test_skipped_step_leaves_weights_unchanged(data, tmp_path, monkeypatch):
     seen = {}
     real_step = loop._train_step
 
-    def spy(model, *args, **kwargs):
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        record = real_step(model, *args, **kwargs)
-        seen["same"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    def spy(ctx, *args, **kwargs):
+        before = {k: v.clone() for k, v in ctx.model.state_dict().items()}
+        record = real_step(ctx, *args, **kwargs)
+        seen["same"] = all(torch.equal(before[k], v) for k, v in ctx.model.state_dict().items())
         return record
 
     monkeypatch.setattr(loop, "_train_step", spy)
@@ -178,10 +178,11 @@ def test_expandable_segments_are_the_default_but_a_user_allocator_setting_wins()
 
 
 def test_repeat_weight_weights_the_soft_masked_targets(data):
-    from genolong.train.loop import _open_sampler, _split
+    from genolong.train.loop import _split
+    from genolong.train.resolve import open_sampler
 
     options = tiny_options(data, data, seq_len=512, batch=2, grad_accum=2, repeat_weight=0.1)
-    windows = [w for w, _ in zip(_open_sampler(options), range(2))]
+    windows = [w for w, _ in zip(open_sampler(options), range(2))]
     batches = _split(windows, options, None, "cpu")
     repeats = torch.from_numpy(np.stack([w.repeat_mask for w in windows]))[:, 1:]
     weight = torch.cat([b.weight for b in batches])

@@ -333,7 +333,7 @@ def test_finetune_and_plan_build_memory_options_from_the_same_parameters():
     import inspect
 
     from genolong.train.cli import finetune
-    from genolong.train.options import MEMORY_PARAMS
+    from genolong.train.flags import MEMORY as MEMORY_PARAMS
     from genolong.train.plan_cli import plan
 
     # from_params reads these names from each command's parsed parameters: both must have every one.

@@ -14,10 +14,10 @@ from genolong.train.plan import (
     estimate_cpu_memory,
     estimate_memory,
     layer_saved_bytes,
-    preflight,
     static_bytes,
     stored_input_bytes_per_token,
 )
+from genolong.train.preflight import preflight
 
 
 def _meta_model(name, dtype=torch.bfloat16):
@@ -287,7 +287,7 @@ def test_cpu_preflight_refuses_before_allocating_and_names_ram(data, tmp_path):
 
 
 def test_the_default_finetune_on_a_cpu_is_refused_at_once():
-    from genolong.train.plan import preflight_cpu
+    from genolong.train.preflight import preflight_cpu
 
     # On 24 GiB no length fits glm53-mini's fp32 weights, gradients and moments with activations.
     with pytest.raises(GenolongError, match=r"glm53-mini at 512k tokens does not fit: CPU RAM short: .*more RAM.*a smaller model \(--preset tiny\)"):
@@ -306,7 +306,7 @@ def test_the_default_finetune_on_a_cpu_is_refused_at_once():
 
 
 def test_host_only_shortfall_names_host_memory_and_asks_for_host_ram_first():
-    from genolong.train.plan import shortfall
+    from genolong.train.preflight import shortfall
 
     config = get_preset("glm53-mini")
     opts = MemoryOptions(host_budget_gib=4, keep_sparse="off")  # (off: the offload alone, as recorded)

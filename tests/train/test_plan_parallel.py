@@ -13,7 +13,8 @@ from genolong.model.param_count import kda_params, mhc_params, moe_params
 from genolong.parallel.layout import ParallelLayout as L
 from genolong.parallel.tensor_plan import placement
 from genolong.train.options import MemoryOptions
-from genolong.train.plan import GIB, estimate_memory, shortfall
+from genolong.train.plan import GIB, estimate_memory
+from genolong.train.preflight import shortfall
 from genolong.train.plan_parallel import (
     ParallelSetup,
     check_setup,

@@ -188,7 +188,8 @@ def test_tile_flags_and_refusals():
 
 
 def test_the_plan_counts_one_tile_of_working_set_and_auto_picks_a_tile_that_fits():
-    from genolong.train.plan import GIB, H200_BYTES, estimate_memory, preflight
+    from genolong.train.plan import GIB, H200_BYTES, estimate_memory
+    from genolong.train.preflight import preflight
 
     config = get_preset("glm53-mini")
     seq = 1 << 20
