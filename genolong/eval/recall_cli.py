@@ -54,7 +54,8 @@ def eval_recall(
     from genolong.data import open_prepared, tile_windows
     from genolong.eval import models
     from genolong.eval.positional import ModelScorer
-    from genolong.eval.recall import RecallLayout, RecallSettings, evaluate
+    from genolong.eval.recall import RecallSettings, evaluate
+    from genolong.eval.recall_layout import RecallLayout
     from genolong.eval import runtime
     from genolong.model import ops
     from genolong.train.memory import apply_memory_optimizations
