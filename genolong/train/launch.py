@@ -29,11 +29,11 @@ import os
 import signal
 import sys
 import threading
-import traceback
 
 from genolong.errors import GenolongError
 from genolong.train import lifeline
 from genolong.train.options import TrainOptions
+from genolong.train.worker import run_worker
 
 # After forwarding a stop request, how long to wait for the worker to finish a checkpoint it is
 # writing before killing it (a glm-5.3-flash-sized save takes minutes; Ctrl-C again kills now).
@@ -76,25 +76,10 @@ def _run_here(options: TrainOptions) -> list[dict]:
         raise GenolongError(f"rank {rank}: {err}") from None
 
 
-def _run(options_dict: dict) -> tuple[str, object]:
-    """("ok", records) | ("error", one-line message) | ("crash", traceback) | ("interrupted", None):
-    picklable whatever happens."""
-    from genolong.train.loop import train
-
-    try:
-        return "ok", train(TrainOptions.from_dict(options_dict))
-    except GenolongError as err:
-        return "error", str(err)
-    except KeyboardInterrupt:
-        return "interrupted", None
-    except Exception:  # noqa: BLE001  (any failure must reach the parent, with its traceback)
-        return "crash", traceback.format_exc()
-
-
 def _process_main(options_dict: dict, conn, parent_pid: int) -> None:
     lifeline.stop_on_sigterm()
     lifeline.follow_parent(parent_pid)
-    result = _run(options_dict)
+    result = run_worker(options_dict)
     try:
         conn.send(result)
     except (BrokenPipeError, EOFError, OSError):
