@@ -15,7 +15,7 @@ A `GenolongError` raised in the worker (bad input, a run stopped for non-finite 
 back as a `GenolongError` with the same one-line message; anything else comes back with the
 worker's traceback.
 
-Lifetimes (genolong.train.lifeline): the local worker dies with this process however it dies,
+Lifetimes (genolong.lifeline): the local worker dies with this process however it dies,
 and this process reports the worker's death (exit code or signal, with the out-of-memory hint)
 and what to type next. Ctrl-C (or SIGTERM) here is forwarded to the worker once; the worker
 stops at a safe point (a checkpoint being written is finished first; a second Ctrl-C abandons
@@ -31,7 +31,7 @@ import sys
 import threading
 
 from genolong.errors import GenolongError
-from genolong.train import lifeline
+from genolong import lifeline
 from genolong.train.options import TrainOptions
 from genolong.train.worker import run_worker
 

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
 from genolong.model import GenoLongForCausalLM, get_preset, save_pretrained
 from genolong.train import checkpoint as ck
@@ -25,11 +26,11 @@ def test_three_plus_three_equals_six_straight(data, tmp_path):
     straight = loop.train(tiny_options(data, tmp_path / "a", **common))
 
     first = loop.train(tiny_options(data, tmp_path / "b", stop_after=3, **common))
-    assert [p.name for p in ck.complete_checkpoints(tmp_path / "b")] == ["step_00000003"]
+    assert [p.name for p in checkpoint_dir.complete_checkpoints(tmp_path / "b")] == ["step_00000003"]
     # Debris of a later save that died before its manifest: resume must not pick it up.
     debris = tmp_path / "b" / ck.CHECKPOINTS / "step_00000005"
     shutil.copytree(tmp_path / "b" / ck.CHECKPOINTS / "step_00000003", debris)
-    (debris / ck.COMPLETE).unlink()
+    (debris / checkpoint_dir.COMPLETE).unlink()
 
     second = loop.train(loop.load_run_options(tmp_path / "b", stop_after=None, progress=False))
     assert [r["step"] for r in second] == [4, 5, 6]
