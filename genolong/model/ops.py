@@ -21,10 +21,10 @@ own audit, and it is never process-global. It is in force
 
 - for a model: `genolong.model.model.bind_kernel_policy(model, "fused")` (the kernel-policy pass,
   genolong.train.passes) stores it as `GenoLongModel.kernel_policy` (print(model) shows it), and
-  the model's forward puts it in force for its layers. The recompute of a layer during backward runs under the policy that was
-  in force when the layer ran forward (`recompute_context`, used by every checkpoint of the
-  training passes), and ops that run inside backward capture the policy at forward
-  (`active()`), so backward threads see the same policy as forward.
+  the model's forward puts it in force for its layers. The recompute of a layer during backward
+  runs under the policy that was in force when the layer ran forward (`recompute_context`, used
+  by every checkpoint of the training passes), and ops that run inside backward capture the
+  policy at forward (`active()`), so backward threads see the same policy as forward.
 - for a context: `with policy("auto") as p:` (a contextvar: this thread or asyncio task only);
   `use(name)` sets the current context's policy (scripts). A model's own policy wins over the
   context's; a model without one runs under the caller's.
@@ -84,7 +84,7 @@ class KernelPolicy:
 
     def call(self, op: str, layer_idx: int, *args, **kwargs):
         """Run `op` for layer `layer_idx` under this policy (see the module docstring). Inside a
-        replay frame (`replay_frame`) a keepable op's result is recorded, or replayed."""
+        replay frame (`frames.replay_frame`) a keepable op's result is recorded, or replayed."""
         frame = frames.current_frame()
         spec = frames.keep_spec(op) if frame is not None and frame.keeps(op) else None
         if spec is None:

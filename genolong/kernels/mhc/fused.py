@@ -24,8 +24,9 @@ Backward:
 6. `_expand_bwd_kernel`: d out, d residual, and the per-token reductions d post and d comb.
 
 The references are genolong/model/mhc.py's op functions (the ops "mhc_mix_collapse" and
-"mhc_expand", from genolong/model/mhc_math.py's math); tests/kernels/test_mhc_fused.py runs these kernels in Triton's interpreter
-against them and builds them for sm_90, tests/gpu/test_mhc_fused.py compares them on the GPU.
+"mhc_expand", built on genolong/model/mhc_math.py); tests/kernels/test_mhc_fused.py runs these
+kernels in Triton's interpreter against them and builds them for sm_90, tests/gpu/test_mhc_fused.py
+compares them on the GPU.
 """
 
 from __future__ import annotations
