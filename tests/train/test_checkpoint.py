@@ -28,7 +28,7 @@ def test_save_writes_manifest_last_and_latest_finds_it(tmp_path):
     assert manifest["step"] == 5
     assert set(manifest["files"]) == {"model/weights.bin", ck.OPTIMIZER_FILE, ck.STATE_FILE}
     assert ck.latest(tmp_path) == path
-    assert ck.load_trainer_state(path) == {"step": 5}
+    assert checkpoint_dir.load_trainer_state(path) == {"step": 5}
     assert torch.equal(ck.load_optimizer_state(path)["m"], torch.ones(3))
 
 
@@ -82,12 +82,12 @@ def test_rng_states_round_trip_through_json():
     np.random.seed(2)
     torch.manual_seed(3)
     random.random(), np.random.rand(), torch.rand(1), np.random.randn()  # leave a cached gaussian
-    state = json.loads(json.dumps(ck.capture_rng()))
+    state = json.loads(json.dumps(checkpoint_dir.capture_rng()))
     want = (random.random(), np.random.randn(), float(torch.rand(1)))
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
-    ck.restore_rng(state)
+    checkpoint_dir.restore_rng(state)
     assert (random.random(), np.random.randn(), float(torch.rand(1))) == want
 
 

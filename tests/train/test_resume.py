@@ -65,7 +65,7 @@ def test_start_from_a_checkpoint_maps_dna_ids_and_resumes_exactly(data, tmp_path
     assert _losses(first + second) == _losses(straight)
 
     saved = ck.latest(tmp_path / "b")
-    assert ck.load_trainer_state(saved)["dna_token_ids"] == [7, 9, 8, 11, 10]
+    assert checkpoint_dir.load_trainer_state(saved)["dna_token_ids"] == [7, 9, 8, 11, 10]
     # The saved model directory is itself a fine-tuning checkpoint (config + weights + tokenizer).
     assert (saved / ck.MODEL_DIR / "tokenizer.json").is_file()
     # Training moved exactly the rows of the mapped tokens in the embedding (others get no gradient).
