@@ -202,7 +202,7 @@ class Bench:
         return module
 
     def apply(self, module, kind: str, kda_mode: str = "state", balanced: bool = True):
-        from genolong.parallel.context import ContextGroup
+        from genolong.parallel.context_group import ContextGroup
         from genolong.parallel.context_dsa import BalancedIndexer, ContextParallelDSA
         from genolong.parallel.context_kda import ContextParallelKDA
 

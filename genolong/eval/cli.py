@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from genolong.errors import GenolongError
+from genolong.eval import flags
 from genolong.units import parse_length
 
 
@@ -53,23 +54,19 @@ def eval_positional(
         ),
     ] = 12,
     max_windows: Annotated[Optional[int], typer.Option(help="Score at most this many windows (the first ones in order).")] = None,
-    max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N bases.")] = 0.1,
-    bootstrap: Annotated[int, typer.Option(help="Bootstrap replicates (resampling windows) for the 95% intervals.")] = 1000,
+    max_n_fraction: flags.MaxNFraction = 0.1,
+    bootstrap: flags.Bootstrap = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
-    device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda if available).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (default: bfloat16 on CUDA, float32 on CPU).")] = None,
-    kernels: Annotated[
-        Optional[str], typer.Option(help="Ops policy: fused, auto or reference (default: fused on CUDA, reference on CPU).")
-    ] = None,
-    loss_chunk: Annotated[
-        Optional[str], typer.Option(help="Tokens per loss chunk, e.g. 2k or 4096, as in finetune (default: ~256 MiB of fp32 hidden states).")
-    ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
+    device: flags.Device = None,
+    dtype: flags.Dtype = None,
+    kernels: flags.Kernels = None,
+    loss_chunk: flags.LossChunk = None,
+    overwrite: flags.Overwrite = False,
     parallel: Annotated[
         Optional[str],
         typer.Option(help="dp=N,cp=M under torchrun: windows split over dp, each window's tokens over cp (default under torchrun: dp = the number of processes); rank 0 writes the outputs.", show_default=False),
     ] = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
+    progress: flags.Progress = True,
 ) -> None:
     """Held-out loss by position in the window, before vs after fine-tuning, with context controls.
 
@@ -81,21 +78,15 @@ def eval_positional(
     controls, and repeat vs non-repeat bases. Resumable: rerun the same
     command after an interruption. See docs/eval.md.
     """
-    import torch
-
-    from genolong.data import open_prepared, tile_windows
-    from genolong.eval import markov, models
-    from genolong.eval.positional import Layout, ModelScorer
+    from genolong.data import open_prepared
+    from genolong.eval import markov, models, runtime
+    from genolong.eval.positional import Layout
     from genolong.eval.run import Settings, evaluate
-    from genolong.eval import runtime
     from genolong.model import ops
-    from genolong.train.memory import apply_memory_optimizations
-    from genolong.train.options import MemoryOptions
 
     # The inputs a user names first, before the layout: a missing checkpoint must be reported as
     # such, not as a bucket that does not fit a short --seq.
-    if not data.is_dir():
-        raise GenolongError(f"--data {data}: no such directory; pass the --out directory of `genolong prepare`")
+    runtime.check_data(data)
     if len(checkpoint) != 1:
         raise GenolongError(
             f"--checkpoint given {len(checkpoint)} times ({', '.join(checkpoint)}): eval-positional compares one fine-tuned "
@@ -116,54 +107,24 @@ def eval_positional(
     if not wanted:
         control = None
     layout = Layout(seq=seq_len, bucket=bucket_len, control=control, controls=wanted, controls_at=controls_at.strip())
-    chunk = parse_length(loss_chunk, "--loss-chunk") if loss_chunk is not None else None
-    if chunk is not None and chunk < 1:
-        raise GenolongError(f"--loss-chunk must be at least 1, got {loss_chunk}")
+    chunk = runtime.loss_chunk_tokens(loss_chunk)
     if markov_max_order < 0:
         raise GenolongError(f"--markov-max-order must be 0 or more, got {markov_max_order}")
-    if bootstrap < 1:
-        raise GenolongError(f"--bootstrap must be at least 1, got {bootstrap}")
+    runtime.check_sampling(bootstrap, max_n_fraction)
     if max_windows is not None and max_windows < 1:
         raise GenolongError(f"--max-windows must be at least 1, got {max_windows}")
-    if not 0.0 <= max_n_fraction < 1.0:
-        raise GenolongError(f"--max-n-fraction must be in [0, 1), got {max_n_fraction}")
 
     dev = runtime.pick_device(device)
     share, dev, pmesh = _rank_share(parallel, dev)
-    dtype_name, policy = runtime.pick_dtype_and_kernels(dev, dtype, kernels)
+    rt = runtime.settle(dev, dtype, kernels, chunk)
 
     pg = open_prepared(data)
-    holdout = [r for r in pg.records("holdout")] if "holdout" in pg.splits else []
-    if not holdout:
+    if "holdout" not in pg.splits or not pg.records("holdout"):
         raise GenolongError(f"--data {data} has no holdout split; re-run genolong prepare with --holdout RECORD")
+    holdout = runtime.split_windows(pg, data, "holdout", layout.seq, seq, max_n_fraction=max_n_fraction, max_windows=max_windows)
 
-    def windows():
-        return tile_windows(pg, "holdout", layout.seq, max_windows=max_windows, max_n_fraction=max_n_fraction)
-
-    if next(iter(windows()), None) is None:
-        raise GenolongError(
-            f"the holdout split of {data} has no window of {seq} with at most {max_n_fraction:.0%} N "
-            f"(records: {', '.join(f'{n} {length:,} bp' for n, length in holdout)}): use a smaller --seq or a larger --max-n-fraction"
-        )
-
-    def make_scorer(role: str) -> ModelScorer:
-        model = models.load(resolved[role], runtime.DTYPES[dtype_name], dev)
-        # As in training, MoE runs over the sequence in chunks: uneven real routing must not
-        # spike memory at 512k (the original recipe's real-data MoE chunking). Recompute and offload only matter with a
-        # backward pass, and there is none here.
-        if pmesh is not None and pmesh.size("cp") > 1:
-            # Before the memory pass, in the training passes' order (genolong/train/passes.py).
-            from genolong.parallel.context import apply_context_parallel
-
-            apply_context_parallel(model, pmesh)
-        apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
-        if pmesh is not None and pmesh.size("cp") > 1:
-            from genolong.eval.context_scorer import ContextParallelScorer
-            from genolong.parallel.layout import ParallelLayout, required_multiple
-
-            granule = required_multiple(ParallelLayout(), model.config.dsa.indexer.kpool)
-            return ContextParallelScorer(model, models.token_map_array(resolved[role].spec), pmesh, granule=granule, device=dev, chunk_tokens=chunk)
-        return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=chunk)
+    def make_scorer(role: str):
+        return models.scorer(resolved[role], rt, pmesh)
 
     settings = Settings(
         layout=layout,
@@ -172,25 +133,23 @@ def eval_positional(
         max_n_fraction=max_n_fraction,
         n_boot=bootstrap,
         seed=seed,
-        dtype=dtype_name,
+        dtype=rt.dtype,
         overwrite=overwrite,
         progress=progress,
     )
-    # What the numbers depend on: the source genome and the holdout records, not where the directory lives.
-    data_identity = {"sha256": pg.manifest.get("source", {}).get("sha256"), "holdout": [list(r) for r in holdout]}
 
     def note(message: str) -> None:
         typer.echo(message, err=True)
 
     ops.reset_audit()
     try:
-        with ops.policy(policy):
+        with ops.policy(rt.policy):
             evaluate(
                 settings,
                 {role: r.spec for role, r in resolved.items()},
-                windows,
+                holdout.tiles,
                 make_scorer,
-                data_identity=data_identity,
+                data_identity=holdout.identity,
                 data_path=str(Path(data).resolve()),
                 markov=lambda: markov.fit_or_load(pg, out, max_order=markov_max_order, echo=note),
                 note=note,

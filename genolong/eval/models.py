@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
 from genolong.eval.fingerprint import model_fingerprint
 from genolong.eval.run import ModelSpec
@@ -48,17 +49,16 @@ def _train_ckpt():
 
 def _is_run(path: Path) -> bool:
     ck = _train_ckpt()
-    return path.is_dir() and ((path / ck.OPTIONS_FILE).is_file() or (path / ck.CHECKPOINTS).is_dir())
+    return path.is_dir() and ((path / ck.OPTIONS_FILE).is_file() or (path / checkpoint_dir.CHECKPOINTS).is_dir())
 
 
 def _is_run_checkpoint(path: Path) -> bool:
     ck = _train_ckpt()
-    return path.is_dir() and (path / ck.MODEL_DIR).is_dir() and (path / ck.STATE_FILE).is_file()
+    return path.is_dir() and (path / ck.MODEL_DIR).is_dir() and (path / checkpoint_dir.STATE_FILE).is_file()
 
 
 def _steps(run: Path) -> list[int]:
-    ck = _train_ckpt()
-    return [int(p.name.split("_")[1]) for p in ck.complete_checkpoints(run)]
+    return [int(p.name.split("_")[1]) for p in checkpoint_dir.complete_checkpoints(run)]
 
 
 def resolve(text: str, flag: str) -> Resolved:
@@ -79,22 +79,22 @@ def resolve(text: str, flag: str) -> Resolved:
     ckpt_dir: Path | None = None
     if _is_run(path):
         if step in (None, "latest"):
-            ckpt_dir = ck.latest(path)
+            ckpt_dir = checkpoint_dir.latest(path)
             if ckpt_dir is None:
                 raise GenolongError(f"{flag} {text}: the run has no complete checkpoint yet; wait for its first save or pass a checkpoint directory")
         else:
-            ckpt_dir = path / ck.CHECKPOINTS / ck.step_dir_name(int(step))
-            if not ck.is_complete(ckpt_dir):
+            ckpt_dir = path / checkpoint_dir.CHECKPOINTS / checkpoint_dir.step_dir_name(int(step))
+            if not checkpoint_dir.is_complete(ckpt_dir):
                 have = ", ".join(str(s) for s in _steps(path)) or "none"
                 raise GenolongError(
                     f"{flag} {text}: the run has no complete checkpoint of step {int(step)} (steps saved: {have}); "
                     f"pick one of those, or pass the starting model's directory"
                 )
-        label = f"{path.name} step {int(ck.load_trainer_state(ckpt_dir).get('step', _step_of(ckpt_dir)))}"
+        label = f"{path.name} step {int(checkpoint_dir.load_trainer_state(ckpt_dir).get('step', _step_of(ckpt_dir)))}"
     elif step is not None:
         raise GenolongError(f"{flag} {text}: {path} is not a finetune run directory (no {ck.OPTIONS_FILE}), so @{step} means nothing")
     elif _is_run_checkpoint(path):
-        if not ck.is_complete(path):
+        if not checkpoint_dir.is_complete(path):
             raise GenolongError(f"{flag} {text}: this checkpoint is incomplete (interrupted save); pass another step")
         ckpt_dir = path
         label = f"{path.parent.parent.name} step {_step_of(path)}"
@@ -105,7 +105,7 @@ def resolve(text: str, flag: str) -> Resolved:
             f"`{command()} export --run {run} --step {_step_of(ckpt_dir)} --out DIR` and pass DIR"
         )
     if ckpt_dir is not None:
-        state = ck.load_trainer_state(ckpt_dir)
+        state = checkpoint_dir.load_trainer_state(ckpt_dir)
         model_dir = ckpt_dir / ck.MODEL_DIR
     else:
         model_dir = path
@@ -135,7 +135,7 @@ def default_baseline(checkpoint: str) -> Resolved:
             f"--baseline is needed: --checkpoint {checkpoint} is not a finetune run, so there is no starting model to "
             "default to; pass the model before fine-tuning with --baseline"
         )
-    if ck.is_complete(run / ck.CHECKPOINTS / ck.step_dir_name(0)):
+    if checkpoint_dir.is_complete(run / checkpoint_dir.CHECKPOINTS / checkpoint_dir.step_dir_name(0)):
         return resolve(f"{run}@0", "--baseline")
     try:
         options = json.loads((run / ck.OPTIONS_FILE).read_text(encoding="utf-8"))
@@ -209,6 +209,36 @@ def load(resolved: Resolved, dtype: torch.dtype, device: torch.device) -> torch.
     from genolong.model.checkpoint import from_pretrained
 
     return from_pretrained(resolved.model_dir, dtype=dtype, device=device).eval()
+
+
+def scorer(resolved: Resolved, rt, pmesh=None):
+    """The scorer of one model for eval-positional and eval-recall: the model loaded in `rt`'s dtype
+    on its device (`rt`: a genolong.eval.runtime.Runtime), context parallel over pmesh's "cp" ranks
+    when there are several, bits over A, C, G, T (the model's probabilities renormalised over the
+    four bases) in loss chunks of `rt.chunk_tokens`."""
+    from genolong.eval.positional import ModelScorer
+    from genolong.train.memory import apply_memory_optimizations
+    from genolong.train.options import MemoryOptions
+
+    model = load(resolved, rt.torch_dtype, rt.device)
+    context_parallel = pmesh is not None and pmesh.size("cp") > 1
+    if context_parallel:
+        # Before the memory pass, in the training passes' order (genolong/train/passes.py).
+        from genolong.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, pmesh)
+    # As in training, MoE runs over the sequence in chunks: uneven real routing must not spike
+    # memory at 512k (the original recipe's real-data MoE chunking). Recompute and offload only
+    # matter with a backward pass, and there is none here.
+    apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
+    token_map = token_map_array(resolved.spec)
+    if context_parallel:
+        from genolong.eval.context_scorer import ContextParallelScorer
+        from genolong.parallel.layout import ParallelLayout, required_multiple
+
+        granule = required_multiple(ParallelLayout(), model.config.dsa.indexer.kpool)
+        return ContextParallelScorer(model, token_map, pmesh, granule=granule, device=rt.device, chunk_tokens=rt.chunk_tokens)
+    return ModelScorer(model, token_map, device=rt.device, chunk_tokens=rt.chunk_tokens)
 
 
 def token_map_array(spec: ModelSpec) -> np.ndarray:

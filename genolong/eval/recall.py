@@ -39,59 +39,16 @@ import torch
 from genolong.data.planted import PlantedWindow, plant_window, scramble_sources, window_rng
 from genolong.data.sampler import Window
 from genolong.errors import GenolongError
+from genolong.eval import recall_report
 from genolong.eval.positional import ModelScorer, WindowScore
+from genolong.eval.recall_layout import KINDS, RecallLayout
 from genolong.eval.run import window_progress
 from genolong.eval.store import PartialResults
 from genolong.units import format_length
 
-# Axis 1 of RecallLayout's per-window sums.
-KINDS = ("copy", "first", "null", "scrambled")
 # Part of the partial file's fingerprint: a change in what is scored or how the control is built
 # must refuse partial results written before it rather than mix them in.
 SCORING = "recall: copy, first, null, scrambled (sources shuffled, PCG64 stream 0x5C4A)"
-
-
-@dataclass(frozen=True)
-class RecallLayout:
-    """Window length, copy length, distances and skipped leading copy bases, validated together."""
-
-    seq: int
-    length: int
-    distances: tuple[int, ...]
-    skip: int = 16
-
-    def __post_init__(self) -> None:
-        if self.length < 2:
-            raise GenolongError(f"--len {self.length}: a copy needs at least 2 bases; use e.g. --len 64")
-        if not 0 <= self.skip < self.length:
-            raise GenolongError(f"--skip {self.skip} must be in [0, --len {self.length}): the headline averages offsets skip..len-1")
-        if not self.distances:
-            raise GenolongError("--distances is empty: give distances like 1k,4k,16k,48k")
-        if len(set(self.distances)) != len(self.distances) or list(self.distances) != sorted(self.distances):
-            raise GenolongError(f"--distances {self.distances} must be increasing and without repeats")
-        if self.distances[0] < self.length:
-            raise GenolongError(
-                f"--distances {self.distances[0]} is shorter than --len {self.length}: the copy would overlap its first "
-                f"occurrence; use distances >= {self.length}"
-            )
-        longest = self.distances[-1]
-        if longest + self.length >= self.seq:
-            raise GenolongError(
-                f"--distances {format_length(longest)} with --len {self.length} needs windows of more than "
-                f"{longest + self.length:,} bases, and --seq is {self.seq:,}: use distances up to "
-                f"{self.seq - self.length - 1:,} or a longer --seq"
-            )
-        if 2 * self.length * len(self.distances) > self.seq // 2:
-            raise GenolongError(
-                f"{len(self.distances)} distances x 2 x --len {self.length} bases would fill over half of a {self.seq:,}-base "
-                "window: use fewer distances, a shorter --len or a longer --seq"
-            )
-
-    @classmethod
-    def auto_distances(cls, seq: int, length: int) -> tuple[int, ...]:
-        """seq/64, seq/16, seq/4 and 3/4 seq (64k -> 1k, 4k, 16k, 48k), those >= length."""
-        picks = (seq // 64, seq // 16, seq // 4, 3 * seq // 4)
-        return tuple(sorted({d for d in picks if d >= length and d + length < seq}))
 
 
 def plant_for_eval(window: Window, layout: RecallLayout, seed: int) -> PlantedWindow | None:
@@ -163,7 +120,6 @@ def evaluate(
 ):
     """Score every model (`specs`: role -> genolong.eval.run.ModelSpec, in order) on the planted
     windows, resumably; aggregate and write the outputs. `tiles()` restarts the tiling."""
-    from genolong.eval import recall_report
     from genolong.model import ops
 
     layout = settings.layout

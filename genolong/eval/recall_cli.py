@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from genolong.errors import GenolongError
+from genolong.eval import flags
 from genolong.units import parse_length
 
 
@@ -27,19 +28,15 @@ def eval_recall(
     skip: Annotated[int, typer.Option(help="Leading copy bases left out of the headline numbers (no model can know a copy has begun).")] = 16,
     windows: Annotated[int, typer.Option(help="Windows to score (the first ones in tiling order that have room for every copy).")] = 32,
     split: Annotated[str, typer.Option(help="Split to tile (holdout: data no model was trained on).")] = "holdout",
-    max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N bases.")] = 0.1,
-    bootstrap: Annotated[int, typer.Option(help="Bootstrap replicates (resampling windows) for the 95% intervals.")] = 1000,
+    max_n_fraction: flags.MaxNFraction = 0.1,
+    bootstrap: flags.Bootstrap = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the copies' placement, of the scrambled sources and of the bootstrap.")] = 0,
-    device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda if available).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="bfloat16 or float32 (default: bfloat16 on CUDA, float32 on CPU).")] = None,
-    kernels: Annotated[
-        Optional[str], typer.Option(help="Ops policy: fused, auto or reference (default: fused on CUDA, reference on CPU).")
-    ] = None,
-    loss_chunk: Annotated[
-        Optional[str], typer.Option(help="Tokens per loss chunk, e.g. 2k or 4096, as in finetune (default: ~256 MiB of fp32 hidden states).")
-    ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard partial results in --out from another evaluation.")] = False,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar over windows (stderr).")] = True,
+    device: flags.Device = None,
+    dtype: flags.Dtype = None,
+    kernels: flags.Kernels = None,
+    loss_chunk: flags.LossChunk = None,
+    overwrite: flags.Overwrite = False,
+    progress: flags.Progress = True,
 ) -> None:
     """Long-range recall on planted repeats: loss on a copy of L bases vs on its first occurrence, by distance.
 
@@ -51,14 +48,11 @@ def eval_recall(
     1 - copy/scrambled, with 95% bootstrap intervals over windows. Resumable: rerun the same
     command after an interruption. See docs/recall.md.
     """
-    from genolong.data import open_prepared, tile_windows
-    from genolong.eval import models
-    from genolong.eval.positional import ModelScorer
-    from genolong.eval.recall import RecallLayout, RecallSettings, evaluate
-    from genolong.eval import runtime
+    from genolong.data import open_prepared
+    from genolong.eval import models, runtime
+    from genolong.eval.recall import RecallSettings, evaluate
+    from genolong.eval.recall_layout import RecallLayout
     from genolong.model import ops
-    from genolong.train.memory import apply_memory_optimizations
-    from genolong.train.options import MemoryOptions
 
     seq_len = parse_length(seq, "--seq")
     if str(distances).strip() == "auto":
@@ -66,13 +60,11 @@ def eval_recall(
     else:
         picked = tuple(sorted(parse_length(d, "--distances") for d in str(distances).split(",") if d.strip()))
     layout = RecallLayout(seq=seq_len, length=length, distances=picked, skip=skip)
-    chunk = parse_length(loss_chunk, "--loss-chunk") if loss_chunk is not None else None
-    if bootstrap < 1 or windows < 1:
-        raise GenolongError(f"--bootstrap and --windows must be at least 1, got {bootstrap} and {windows}")
-    if not 0.0 <= max_n_fraction < 1.0:
-        raise GenolongError(f"--max-n-fraction must be in [0, 1), got {max_n_fraction}")
-    if not data.is_dir():
-        raise GenolongError(f"--data {data}: no such directory; pass the --out directory of `genolong prepare`")
+    chunk = runtime.loss_chunk_tokens(loss_chunk)
+    if windows < 1:
+        raise GenolongError(f"--windows must be at least 1, got {windows}")
+    runtime.check_sampling(bootstrap, max_n_fraction)
+    runtime.check_data(data)
     if not checkpoint:
         raise GenolongError("give at least one --checkpoint")
 
@@ -87,27 +79,12 @@ def eval_recall(
         if seen[r.spec.label] > 1:
             r.spec.label = f"{r.spec.label} #{seen[r.spec.label]}"
 
-    dev = runtime.pick_device(device)
-    dtype_name, policy = runtime.pick_dtype_and_kernels(dev, dtype, kernels)
-
+    rt = runtime.settle(runtime.pick_device(device), dtype, kernels, chunk)
     pg = open_prepared(data)
-    records = pg.records(split)
+    split_windows = runtime.split_windows(pg, data, split, layout.seq, seq, max_n_fraction=max_n_fraction)
 
-    def tiles():
-        return tile_windows(pg, split, layout.seq, max_n_fraction=max_n_fraction)
-
-    if next(iter(tiles()), None) is None:
-        raise GenolongError(
-            f"the {split} split of {data} has no window of {seq} with at most {max_n_fraction:.0%} N "
-            f"(records: {', '.join(f'{n} {n_bases:,} bp' for n, n_bases in records)}): use a smaller --seq or a larger --max-n-fraction"
-        )
-
-    def make_scorer(role: str) -> ModelScorer:
-        model = models.load(resolved[role], runtime.DTYPES[dtype_name], dev)
-        # MoE over the sequence in chunks, as in training and eval-positional; no backward here.
-        apply_memory_optimizations(model, MemoryOptions(recompute=False, offload=False, moe_chunking=True).validate())
-        # Bits over A, C, G, T (the model's probabilities renormalised over the four bases), as eval-positional.
-        return ModelScorer(model, models.token_map_array(resolved[role].spec), device=dev, chunk_tokens=chunk)
+    def make_scorer(role: str):
+        return models.scorer(resolved[role], rt)
 
     settings = RecallSettings(
         layout=layout,
@@ -117,12 +94,11 @@ def eval_recall(
         max_n_fraction=max_n_fraction,
         n_boot=bootstrap,
         seed=seed,
-        dtype=dtype_name,
+        dtype=rt.dtype,
         overwrite=overwrite,
         progress=progress,
         meta={"data_path": str(Path(data).resolve())},
     )
-    data_identity = {"sha256": pg.manifest.get("source", {}).get("sha256"), split: [list(r) for r in records]}
-    with ops.policy(policy):
-        evaluate(settings, {role: r.spec for role, r in resolved.items()}, tiles, make_scorer, data_identity=data_identity)
+    with ops.policy(rt.policy):
+        evaluate(settings, {role: r.spec for role, r in resolved.items()}, split_windows.tiles, make_scorer, data_identity=split_windows.identity)
     typer.echo(f"wrote {out}/recall.png, recall.csv, recall.json, summary.txt")

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 from genolong.eval.positional import LN2  # noqa: E402
-from genolong.eval.recall_report import LOW_WINDOWS, RecallResults  # noqa: E402
+from genolong.eval.recall_layout import LOW_WINDOWS, RecallResults  # noqa: E402
 from genolong.units import format_length  # noqa: E402
 
 

@@ -23,7 +23,6 @@ import csv
 import io
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,11 @@ import numpy as np
 from genolong.eval import stats
 from genolong.eval.positional import WindowScore
 from genolong.eval.positional import LN2
-from genolong.eval.recall import KINDS, RecallLayout
-from genolong.eval.report import MIN_WINDOWS, UNITS, Estimate
+from genolong.eval.recall_layout import KINDS, LOW_WINDOWS, RecallLayout, RecallResults
+from genolong.eval.report import UNITS, Estimate
 from genolong.eval.store import write_atomic
 from genolong.units import format_length
 
-LOW_WINDOWS = MIN_WINDOWS  # fewer windows than this: percentile intervals run narrow (said in every output)
 # Each recall is 1 - copy / (this kind's loss).
 RECALLS = {"recall": "first", "recall_null": "null", "recall_scrambled": "scrambled"}
 CSV_COLUMNS = ("model", "label", "distance", "n_windows", "n_bases") + tuple(
@@ -47,22 +45,6 @@ OFFSET_COLUMNS = ("model", "label", "distance", "offset", "copy_bits", "copy_bit
     f"{k}_bits" for k in KINDS[1:]
 )
 OUTPUT_FILES = ("recall.csv", "recall_offsets.csv", "recall.json", "recall.png", "summary.txt")
-
-
-@dataclass
-class RecallResults:
-    layout: RecallLayout
-    windows: list[tuple[str, int, bool]]
-    labels: dict[str, str]  # role -> label, in scoring order
-    n_bases: np.ndarray  # [distances]: scored copy bases (offsets >= skip) over all windows
-    loss: dict[tuple[str, str], Estimate]  # (role, kind) -> nats per distance
-    recall: dict[tuple[str, str], Estimate]  # (role, name in RECALLS) -> per distance
-    offsets: dict[tuple[str, str], Estimate]  # (role, kind) -> nats [distances, length]
-    meta: dict[str, Any]
-
-    @property
-    def low_windows(self) -> bool:
-        return len(self.windows) < LOW_WINDOWS
 
 
 def aggregate(

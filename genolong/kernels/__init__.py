@@ -49,7 +49,7 @@ _REFERENCE_MODULES = ("genolong.model.dsa", "genolong.model.indexer", "genolong.
 
 def load() -> dict[str, list[str]]:
     """Register the references and every fused implementation; returns {op: [implementation names]}."""
-    from genolong.model import ops
+    from genolong.model import frames, ops
 
     for name in _REFERENCE_MODULES:
         importlib.import_module(name)
@@ -57,7 +57,7 @@ def load() -> dict[str, list[str]]:
         for impl, module, fn in impls:
             ops.register(op, impl, getattr(importlib.import_module(module), fn))
     for (op, impl), (module, fn) in REPLAYS.items():
-        ops.register_replay(op, impl, getattr(importlib.import_module(module), fn))
+        frames.register_replay(op, impl, getattr(importlib.import_module(module), fn))
     _use_fused_kept_selection()
     return {op: list(ops.implementations(op)) for op in FUSED}
 

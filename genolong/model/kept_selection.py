@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from genolong.model import ops
+from genolong.model import frames
 
 # Rows compared per pass when checking that a selection packs (bounds the check's temporaries).
 _CHECK_ROWS = 1 << 16
@@ -53,7 +53,7 @@ def pack_selection(idx: torch.Tensor, *, kpool: int, topk_pools: int) -> tuple[t
     return parts[0], parts[1]
 
 
-class PendingPack(ops.DeferredKept):
+class PendingPack(frames.DeferredKept):
     """A selection whose packed form is kept once the device has said it packs (`resolve`).
 
     Reading the check's flag at once was a host sync per DSA layer, and its tiny copy queued behind
@@ -126,8 +126,8 @@ def _expand(pools: torch.Tensor, kpool: int) -> torch.Tensor:
 
 # The selection is an integer tensor made without gradient: whichever implementation made it, the
 # recompute can take the forward's as it is.
-ops.register_keepable(
+frames.register_keepable(
     "dsa_indexer_topk",
-    ops.KeepSpec(kept=lambda out, kwargs: pack_selection_deferred(out, kpool=kwargs["kpool"], topk_pools=kwargs["topk_pools"])),
+    frames.KeepSpec(kept=lambda out, kwargs: pack_selection_deferred(out, kpool=kwargs["kpool"], topk_pools=kwargs["topk_pools"])),
 )
-ops.register_replay("dsa_indexer_topk", ops.ANY, lambda kept, *args, **kwargs: unpack_selection(kept, kpool=kwargs["kpool"]))
+frames.register_replay("dsa_indexer_topk", frames.ANY, lambda kept, *args, **kwargs: unpack_selection(kept, kpool=kwargs["kpool"]))

@@ -13,22 +13,22 @@ is reduced in fp32 and applied to the n^2 + 2n projected logits instead (the nor
 scalar, so linear(x * r) = r * linear(x)); the projection and the collapse run in the streams'
 dtype. In fp32 this is the reference's arithmetic up to rounding.
 
-The math is in module-level functions of tensors (`mix_weights`, `sinkhorn`, `collapse`,
-`expand`) so that genolong.train.compile can compile them once for every layer; the modules
-only hold the parameters. These eager functions are the references of the fused versions and of
-the faster eager ones (genolong/model/mhc_eager.py). `HyperConnection` runs its two halves as the
-ops "mhc_mix_collapse" and "mhc_expand" (genolong.model.ops): their references are the faster
-eager functions, the fused Triton passes are genolong/kernels/mhc/fused.py.
+The math is in functions of tensors (genolong/model/mhc_math.py: `mix_weights`, `sinkhorn`,
+`collapse`, `expand`) so that genolong.train.compile can compile them once for every layer; the
+modules only hold the parameters. Those functions are the references of the fused versions and
+of the faster eager ones (genolong/model/mhc_eager.py). `HyperConnection` runs its two halves as
+the ops "mhc_mix_collapse" and "mhc_expand" (genolong.model.ops): their references here are built
+from the faster eager functions, the fused Triton passes are genolong/kernels/mhc/fused.py.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from genolong.model import ops
+from genolong.model import mhc_eager, ops
 from genolong.model.config import MHCConfig
+from genolong.model.mhc_math import mix_weights
 
 
 class HyperConnection(nn.Module):
@@ -50,72 +50,24 @@ class HyperConnection(nn.Module):
                         iters=self.sinkhorn_iters, eps=self.eps, rms_eps=self.rms_eps)
 
     def expand(self, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The new streams after the sublayer (see `expand`); a method so that it can be swapped per instance."""
+        """The new streams after the sublayer (see `mhc_math.expand`); a method so that it can be swapped per instance."""
         return ops.call("mhc_expand", self.layer_idx, post, comb, out, residual)
 
 
 def mix_collapse_reference(streams, fn, base, scale, *, n: int, iters: int, eps: float, rms_eps: float):
     """The op "mhc_mix_collapse": (post fp32 [.., n], comb fp32 [.., n, n], collapsed [.., D]) from streams [.., n, D]."""
-    from genolong.model import mhc_eager  # the faster eager versions of this module's references
-
     pre, post, comb = mix_weights(streams, fn, base, scale, n=n, eps=eps, rms_eps=rms_eps)
     comb = mhc_eager.sinkhorn(comb, iters, eps)
     return post, comb, mhc_eager.collapse(pre, streams)
 
 
 def expand_reference(post, comb, out, residual):
-    """The op "mhc_expand": the new streams (see `expand`)."""
-    from genolong.model import mhc_eager
-
+    """The op "mhc_expand": the new streams (genolong.model.mhc_math.expand)."""
     return mhc_eager.expand(post, comb, out, residual)
 
 
 ops.register("mhc_mix_collapse", ops.REFERENCE, mix_collapse_reference)
 ops.register("mhc_expand", ops.REFERENCE, expand_reference)
-
-
-def mix_weights(streams, fn, base, scale, *, n: int, eps: float, rms_eps: float):
-    """(pre fp32 [.., n], post fp32 [.., n], comb fp32 [.., n, n] before Sinkhorn) from streams [.., n, D]."""
-    flat = streams.flatten(-2)
-    mean_sq = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32).square() / flat.shape[-1]
-    logits = F.linear(flat, fn.to(flat.dtype)).float() * torch.rsqrt(mean_sq + rms_eps)
-    return mix_from_logits(logits, base, scale, n=n, eps=eps)
-
-
-def mix_from_logits(logits, base, scale, *, n: int, eps: float):
-    """(pre, post, comb before Sinkhorn) from the RMS-scaled logits fp32 [.., (2 + n) n]: the pointwise tail."""
-    pre_l, post_l, comb_l = logits.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre_s, post_s, comb_s = scale.float().unbind(0)
-
-    pre = torch.sigmoid(pre_l * pre_s + pre_b) + eps
-    post = 2 * torch.sigmoid(post_l * post_s + post_b)
-    comb = torch.softmax((comb_l * comb_s + comb_b).unflatten(-1, (n, n)), dim=-1) + eps
-    return pre, post, comb
-
-
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Alternate column and row normalisation of positive [.., n, n] matrices, ending on columns.
-
-    The reference's order (one column pass, then iters-1 row+column passes) is kept so that the
-    result matches it exactly, not just in the limit.
-    """
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
-def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """The sublayer's input: sum_i pre[i] * streams[i], in the streams' dtype."""
-    return torch.matmul(pre.to(streams.dtype).unsqueeze(-2), streams).squeeze(-2)
-
-
-def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """New streams: post[o] * out + sum_i comb[i, o] * residual[i], in the streams' dtype."""
-    dtype = residual.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
 
 
 class HyperHead(nn.Module):

@@ -1,4 +1,4 @@
-"""Faster eager versions of mHC's per-token math; the references are in genolong/model/mhc.py.
+"""Faster eager versions of mHC's per-token math; the references are in genolong/model/mhc_math.py.
 
 The references run as thousands of tiny operations over [T, n, n] and [T]-batched 1 x n and
 n x n matrix products, which cost 25-35% of a `tiny` step on the CPU (measured 2026-12-01):
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from genolong.model import mhc
+from genolong.model import mhc_math
 
 
 class _Sinkhorn(torch.autograd.Function):
@@ -61,16 +61,16 @@ class _Sinkhorn(torch.autograd.Function):
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """`genolong.model.mhc.sinkhorn` (same result up to the rounding of 4-term sums), faster."""
+    """`genolong.model.mhc_math.sinkhorn` (same result up to the rounding of 4-term sums), faster."""
     if iters < 1:
         raise ValueError(f"sinkhorn needs iters >= 1, got {iters}; the config validation requires a positive count")
     return _Sinkhorn.apply(comb, iters, eps)
 
 
 def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """`genolong.model.mhc.collapse`: sum_i pre[i] * streams[i] (fp32, fp64 as a multiply-sum)."""
+    """`genolong.model.mhc_math.collapse`: sum_i pre[i] * streams[i] (fp32, fp64 as a multiply-sum)."""
     if streams.dtype not in (torch.float32, torch.float64):
-        return mhc.collapse(pre, streams)
+        return mhc_math.collapse(pre, streams)
     return (pre.unsqueeze(-1) * streams).sum(dim=-2)
 
 
@@ -96,8 +96,8 @@ class _Expand(torch.autograd.Function):
 
 
 def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`genolong.model.mhc.expand`: post[o] * out + sum_i comb[i, o] * residual[i] (fp32, fp64 as one node)."""
+    """`genolong.model.mhc_math.expand`: post[o] * out + sum_i comb[i, o] * residual[i] (fp32, fp64 as one node)."""
     dtype = residual.dtype
     if dtype not in (torch.float32, torch.float64):
-        return mhc.expand(post, comb, out, residual)
+        return mhc_math.expand(post, comb, out, residual)
     return _Expand.apply(post.to(dtype), comb.to(dtype), out.to(dtype), residual)

@@ -7,7 +7,7 @@ prefix.
 
 The layer loop is plain: recompute, offload, parallelism and compilation are applied from
 outside by passes (genolong.train.passes) that wrap or switch modules and keep these keys.
-`kernel_policy` (None, or the model's own genolong.model.ops.KernelPolicy set by `ops.bind`) is
+`kernel_policy` (None, or the model's own genolong.model.ops.KernelPolicy set by `bind_kernel_policy`) is
 put in force around the layers; print(model) shows it.
 """
 
@@ -73,6 +73,16 @@ class GenoLongModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kernel_policy={self.kernel_policy.name if self.kernel_policy is not None else 'the caller context'}"
+
+
+def bind_kernel_policy(model: nn.Module, name: str | ops.KernelPolicy) -> ops.KernelPolicy:
+    """Give `model` (anything holding one GenoLongModel, or the GenoLongModel) its own policy; returns it."""
+    chosen = name if isinstance(name, ops.KernelPolicy) else ops.KernelPolicy(name)
+    bodies = [m for m in model.modules() if isinstance(m, GenoLongModel)]
+    if len(bodies) != 1:
+        raise ValueError(f"bind_kernel_policy() needs a model with one GenoLongModel, found {len(bodies)}")
+    bodies[0].kernel_policy = chosen
+    return chosen
 
 
 class GenoLongForCausalLM(nn.Module):

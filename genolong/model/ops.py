@@ -19,18 +19,18 @@ Policies: "reference" (always the reference), "fused" (fused or fail loudly), "a
 where it runs, reference elsewhere, both recorded). A `KernelPolicy` object is a policy with its
 own audit, and it is never process-global. It is in force
 
-- for a model: `bind(model, "fused")` (the kernel-policy pass, genolong.train.passes) stores it
-  as `GenoLongModel.kernel_policy` (print(model) shows it), and the model's forward puts it in
-  force for its layers. The recompute of a layer during backward runs under the policy that was
-  in force when the layer ran forward (`recompute_context`, used by every checkpoint of the
-  training passes), and ops that run inside backward capture the policy at forward
-  (`active()`), so backward threads see the same policy as forward.
+- for a model: `genolong.model.model.bind_kernel_policy(model, "fused")` (the kernel-policy pass,
+  genolong.train.passes) stores it as `GenoLongModel.kernel_policy` (print(model) shows it), and
+  the model's forward puts it in force for its layers. The recompute of a layer during backward
+  runs under the policy that was in force when the layer ran forward (`recompute_context`, used
+  by every checkpoint of the training passes), and ops that run inside backward capture the
+  policy at forward (`active()`), so backward threads see the same policy as forward.
 - for a context: `with policy("auto") as p:` (a contextvar: this thread or asyncio task only);
   `use(name)` sets the current context's policy (scripts). A model's own policy wins over the
   context's; a model without one runs under the caller's.
 Without either, a context gets its own "reference" policy on first use.
 
-Replay frames (`replay_frame`, opened by genolong.train.keep around a checkpointed layer): a
+Replay frames (genolong.model.frames, opened by genolong.train.keep around a checkpointed layer): a
 keepable op's result is recorded in the forward and handed back to the recompute (docs/ops.md).
 """
 
@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
 import torch
 
 from genolong.errors import GenolongError
+from genolong.model import frames
 
 POLICIES = ("reference", "fused", "auto")
 REFERENCE = "reference"
@@ -84,9 +84,9 @@ class KernelPolicy:
 
     def call(self, op: str, layer_idx: int, *args, **kwargs):
         """Run `op` for layer `layer_idx` under this policy (see the module docstring). Inside a
-        replay frame (`replay_frame`) a keepable op's result is recorded, or replayed."""
-        frame = _FRAME.get()
-        spec = _KEEPABLE.get(op) if frame is not None and frame.keeps(op) else None
+        replay frame (`frames.replay_frame`) a keepable op's result is recorded, or replayed."""
+        frame = frames.current_frame()
+        spec = frames.keep_spec(op) if frame is not None and frame.keeps(op) else None
         if spec is None:
             return self._run(op, layer_idx, lambda name, fn: fn(*args, **kwargs))
         if frame.replaying:
@@ -94,10 +94,10 @@ class KernelPolicy:
             if kept is None:  # the forward's implementation cannot be replayed: it runs again
                 return self._run(op, layer_idx, lambda name, fn: fn(*args, **kwargs))
             self.audit[(layer_idx, op)] = impl
-            return replay_of(op, impl)(kept, *args, **kwargs)
+            return frames.replay_of(op, impl)(kept, *args, **kwargs)
 
         def record(name: str, fn: Callable):
-            replay = replay_of(op, name)
+            replay = frames.replay_of(op, name)
             if replay is None:
                 out = fn(*args, **kwargs)
                 frame.record(op, layer_idx, name, args, None)
@@ -145,79 +145,6 @@ class KernelPolicy:
 
 _IMPLS: dict[str, dict[str, Callable]] = {}
 _ACTIVE: contextvars.ContextVar[KernelPolicy | None] = contextvars.ContextVar("genolong_kernel_policy", default=None)
-
-
-# -- kept results: what a recompute may take from its forward instead of running again -----------
-#
-# Full recompute (genolong.train.recompute) runs every layer's forward twice. For an op whose
-# result is expensive and cheap to store (the indexer's selection; the sparse attention's output
-# and lse, from which its backward is computed), genolong.train.keep opens a replay frame around a
-# checkpointed layer: in the forward the frame records the op's result, in the recompute it hands
-# it back, and the op does not run again. An op is keepable when it has a `KeepSpec`; an
-# implementation is replayable when it has a replay function (`register_replay`; ANY: every
-# implementation of the op). A replay returns what the op would, with the op's own gradient.
-
-
-@dataclass(frozen=True)
-class KeepSpec:
-    """How an op's results are recorded: the recorded call runs without gradient with `record_kwargs`
-    added (e.g. ask for the lse the replay needs); `kept(result, kwargs)` -> the tensors to keep
-    (kwargs: the call's). Both the forward's and the recompute's result then come from the
-    implementation's replay."""
-
-    record_kwargs: Mapping[str, object] = field(default_factory=dict)
-    kept: Callable = lambda out, kwargs: (out,)
-
-
-class DeferredKept:
-    """What a KeepSpec's `kept` may return instead of the tensors: the choice of what to keep is made
-    later, once the device has answered a question about the result without a host sync
-    (genolong.model.kept_selection.PendingPack). The replay frame calls `resolve()` (-> the tensors
-    to keep) once, before the layer's forward ends; until then the replay in the forward sees the
-    object itself."""
-
-    def resolve(self) -> tuple:
-        raise NotImplementedError
-
-
-ANY = "*"
-_KEEPABLE: dict[str, KeepSpec] = {}
-_REPLAYS: dict[tuple[str, str], Callable] = {}
-_FRAME: contextvars.ContextVar[object | None] = contextvars.ContextVar("genolong_replay_frame", default=None)
-
-
-def register_keepable(op: str, spec: KeepSpec) -> None:
-    _KEEPABLE[op] = spec
-
-
-def register_replay(op: str, impl: str, fn: Callable) -> None:
-    """`fn(kept, *args, **kwargs)` replays implementation `impl` (or ANY) of `op` from its kept tensors."""
-    _REPLAYS[(op, impl)] = fn
-
-
-def keepable_ops() -> tuple[str, ...]:
-    return tuple(sorted(_KEEPABLE))
-
-
-def replay_of(op: str, impl: str) -> Callable | None:
-    return _REPLAYS.get((op, impl), _REPLAYS.get((op, ANY)))
-
-
-def current_frame():
-    """The replay frame in force (`replay_frame`), or None: for a keeper outside the op registry
-    (genolong.train.keep_moe keeps a whole module's output)."""
-    return _FRAME.get()
-
-
-@contextlib.contextmanager
-def replay_frame(frame) -> Iterator[None]:
-    """Put a replay frame in force for the body (genolong.train.keep: record in the forward, replay in
-    the recompute). The frame has `keeps(op)`, `replaying`, `record(...)`, `replay(...)`."""
-    token = _FRAME.set(frame)
-    try:
-        yield
-    finally:
-        _FRAME.reset(token)
 
 
 def register(op: str, impl: str, fn: Callable) -> None:
@@ -291,61 +218,15 @@ def call(op: str, layer_idx: int, *args, **kwargs):
     return active().call(op, layer_idx, *args, **kwargs)
 
 
-class Reenterable:
-    """A context manager made afresh by `factory()` at each entry: torch's checkpoint enters its
-    recompute context once per recompute, and a graph kept with retain_graph recomputes again."""
-
-    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager]) -> None:
-        self.factory = factory
-        self._entered: list[contextlib.AbstractContextManager] = []
-
-    def __enter__(self):
-        cm = self.factory()
-        self._entered.append(cm)
-        return cm.__enter__()
-
-    def __exit__(self, *exc):
-        return self._entered.pop().__exit__(*exc)
-
-
-# True inside a checkpointed call (its forward and its recompute; `recompute_context`): what an op
-# saves for backward there lives at most from the recompute to that layer's backward.
-_CHECKPOINTED: contextvars.ContextVar[bool] = contextvars.ContextVar("genolong_checkpointed", default=False)
-
-
-def checkpointed() -> bool:
-    """Whether this call runs inside a layer checkpoint (forward or recompute). A checkpoint's forward
-    drops what ops save and its recompute saves it only until the layer's backward, which follows at
-    once, so an op there may save intermediates it would otherwise recompute in its own backward
-    (genolong.kernels.kda.fla_chunk) without holding them for the whole step."""
-    return _CHECKPOINTED.get()
-
-
 @contextlib.contextmanager
 def _checkpointed_scope(chosen: KernelPolicy | None) -> Iterator[None]:
-    token = _CHECKPOINTED.set(True)
-    try:
-        with (policy(chosen) if chosen is not None else contextlib.nullcontext()):
-            yield
-    finally:
-        _CHECKPOINTED.reset(token)
+    with frames.checkpointed_scope(), scoped(chosen):
+        yield
 
 
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """`context_fn` for torch.utils.checkpoint: the recompute in backward (another thread on CUDA,
     where this context's variables are unset) runs under the policy in force at forward; both
-    run with `checkpointed()` true."""
+    run with `frames.checkpointed()` true."""
     chosen = active()
-    return _checkpointed_scope(None), Reenterable(lambda: _checkpointed_scope(chosen))
-
-
-def bind(model, name: str | KernelPolicy) -> KernelPolicy:
-    """Give `model` (anything holding one GenoLongModel, or the GenoLongModel) its own policy; returns it."""
-    from genolong.model.model import GenoLongModel
-
-    chosen = name if isinstance(name, KernelPolicy) else KernelPolicy(name)
-    bodies = [m for m in model.modules() if isinstance(m, GenoLongModel)]
-    if len(bodies) != 1:
-        raise ValueError(f"bind() needs a model with one GenoLongModel, found {len(bodies)}")
-    bodies[0].kernel_policy = chosen
-    return chosen
+    return _checkpointed_scope(None), frames.Reenterable(lambda: _checkpointed_scope(chosen))

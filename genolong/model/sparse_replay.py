@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from genolong.model import ops
+from genolong.model import frames, ops
 
 # Gathered-latent elements per query chunk (as the reference forward, genolong.model.dsa).
 _GATHER_ELEMENTS = 1 << 24
@@ -81,5 +81,5 @@ def sparse_attention_replay_reference(kept, q, kv, indices, *, scale: float, ret
 
 
 # Recorded with the lse (the replay's backward needs it); the replay returns what the caller asked for.
-ops.register_keepable("dsa_sparse_attention", ops.KeepSpec(record_kwargs={"return_lse": True}, kept=lambda out, kwargs: tuple(out)))
-ops.register_replay("dsa_sparse_attention", ops.REFERENCE, sparse_attention_replay_reference)
+frames.register_keepable("dsa_sparse_attention", frames.KeepSpec(record_kwargs={"return_lse": True}, kept=lambda out, kwargs: tuple(out)))
+frames.register_replay("dsa_sparse_attention", ops.REFERENCE, sparse_attention_replay_reference)

@@ -11,7 +11,7 @@ same `RUN_DIR/checkpoints/step_N/`; docs/parallel.md):
                             optimizer step counts, the layout it was saved at, non-finite counters
     rng/rank_00000.json     each rank's RNG states
     tokenizer.json          when fine-tuning a GLM checkpoint (copied for the export)
-    COMPLETE                the manifest, written last (genolong.train.checkpoint.finalize)
+    COMPLETE                the manifest, written last (genolong.checkpoint_dir.finalize)
 
 Atomicity: every rank writes into `checkpoints/.tmp-step_N-<pid of rank 0>`; after a barrier
 (every rank's files are on disk) rank 0 writes the manifest and renames the directory to
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
-from genolong.train import checkpoint as ckpt_io
-from genolong.train.lifeline import uninterruptible
+from genolong.lifeline import uninterruptible
 
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
@@ -85,17 +85,17 @@ def _barrier() -> None:
 def save(run_dir: str | Path, step: int, *, model, optimizer, trainer_state: dict[str, Any], pmesh,
          keep_last: int, extra_files: dict[str, Path] | None = None) -> Path:
     """Write checkpoint `step` (module docstring). Collective: every rank calls it; returns the final path.
-    Ctrl-C / SIGTERM wait for the end of the save (genolong.train.lifeline.uninterruptible)."""
-    root = Path(run_dir) / ckpt_io.CHECKPOINTS
+    Ctrl-C / SIGTERM wait for the end of the save (genolong.lifeline.uninterruptible)."""
+    root = Path(run_dir) / checkpoint_dir.CHECKPOINTS
     rank = _rank()
-    name = [f".tmp-{ckpt_io.step_dir_name(step)}-{os.getpid()}"] if rank == 0 else [None]
+    name = [f".tmp-{checkpoint_dir.step_dir_name(step)}-{os.getpid()}"] if rank == 0 else [None]
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
-    tmp, final = root / name[0], root / ckpt_io.step_dir_name(step)
+    tmp, final = root / name[0], root / checkpoint_dir.step_dir_name(step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         # Rank 0 holds the run's lock: every temporary directory it finds is a dead save's.
-        ckpt_io.remove_stale_temporaries(run_dir)
+        checkpoint_dir.remove_stale_temporaries(run_dir)
         tmp.mkdir()
     _barrier()
     with uninterruptible(f"checkpoint {final.name}"):
@@ -112,18 +112,18 @@ def _write(tmp, final, step, rank, run_dir, model, optimizer, trainer_state, pme
         dcp.save({"model": _views(model.state_dict(), pmesh), "optimizer": _views(tensors, pmesh)}, checkpoint_id=str(tmp / DCP_DIR))
         (tmp / RNG_DIR).mkdir(exist_ok=True)
         rng_file = tmp / RNG_DIR / f"rank_{rank:05d}.json"
-        rng_file.write_text(json.dumps(ckpt_io.capture_rng()) + "\n", encoding="utf-8")
-        ckpt_io.fsync_file(rng_file)
+        rng_file.write_text(json.dumps(checkpoint_dir.capture_rng()) + "\n", encoding="utf-8")
+        checkpoint_dir.fsync_file(rng_file)
         _barrier()
         if rank == 0:
             config = to_hf(model.config, dtype=_dtype_name(model), source=getattr(model, "hf_source_config", None))
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             state = {**trainer_state, "format": FORMAT, "optimizer_steps": counts}
-            (tmp / ckpt_io.STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+            (tmp / checkpoint_dir.STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
             for rel, source in (extra_files or {}).items():
                 shutil.copy2(source, tmp / rel)
-            ckpt_io.finalize(tmp, final, step)
-            ckpt_io.prune(run_dir, keep_last)
+            checkpoint_dir.finalize(tmp, final, step)
+            checkpoint_dir.prune(run_dir, keep_last)
         _barrier()
     except BaseException:
         if rank == 0:
@@ -147,7 +147,7 @@ def build_model(ckpt: Path, dtype: torch.dtype, device: str):
 def load(ckpt: Path, *, model, optimizer=None, pmesh=None) -> dict[str, Any]:
     """Fill `model` (and `optimizer`) from checkpoint `ckpt`, saved at any layout; returns its trainer state.
     Collective when a process group exists."""
-    state = ckpt_io.load_trainer_state(ckpt)
+    state = checkpoint_dir.load_trainer_state(ckpt)
     model_state = model.state_dict()
     request = {"model": _views(model_state, pmesh)}
     if optimizer is not None:
@@ -170,7 +170,7 @@ def restore_rng(ckpt: Path) -> None:
     path = ckpt / RNG_DIR / f"rank_{_rank():05d}.json"
     if not path.is_file():
         path = ckpt / RNG_DIR / f"rank_{0:05d}.json"
-    ckpt_io.restore_rng(json.loads(path.read_text(encoding="utf-8")))
+    checkpoint_dir.restore_rng(json.loads(path.read_text(encoding="utf-8")))
 
 
 def _first_line(err: BaseException) -> str:

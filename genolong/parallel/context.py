@@ -39,28 +39,8 @@ from genolong.errors import GenolongError
 from genolong.model.dsa import DSAAttention
 from genolong.model.indexer import Indexer
 from genolong.model.kda import KimiDeltaAttention
-from genolong.model.piece import SequencePiece
-from genolong.parallel.collectives import gather_along, reduce_sum
+from genolong.parallel.context_group import ContextGroup
 from genolong.parallel.layout import check_kda_mode, resolve_kda_mode
-
-
-class ContextGroup:
-    """The cp group a switched mixer talks to, and this rank's place in it."""
-
-    def __init__(self, group, rank: int, size: int) -> None:
-        self.group, self.rank, self.size = group, rank, size
-
-    def piece(self, local_len: int) -> SequencePiece:
-        """What a layer needs to know about a shard of `local_len` tokens (genolong/model/piece.py)."""
-        return SequencePiece(
-            offset=self.rank * local_len,
-            length=self.size * local_len,
-            gather=lambda t: gather_along(t, 1, self.group),
-            total=lambda t: reduce_sum(t.detach(), self.group),
-        )
-
-    def __repr__(self) -> str:
-        return f"cp rank {self.rank} of {self.size}"
 
 
 # ---------------------------------------------------------------------------------- sharding

@@ -28,7 +28,7 @@ from genolong.model.dsa import DSAAttention
 from genolong.model.indexer import Indexer, IndexerProjections
 from genolong.model.piece import SequencePiece
 from genolong.parallel.collectives import exchange
-from genolong.parallel.context import ContextGroup
+from genolong.parallel.context_group import ContextGroup
 
 
 class ContextParallelDSA(DSAAttention):

@@ -42,7 +42,7 @@ from genolong.model import ops
 from genolong.model.kda import KimiDeltaAttention
 from genolong.parallel.collectives import from_previous_rank, gather_along, scatter_sum_along
 from genolong.parallel import context_kda_fla
-from genolong.parallel.context import ContextGroup
+from genolong.parallel.context_group import ContextGroup
 from genolong.parallel.tensor_plan import local_part, placement
 
 

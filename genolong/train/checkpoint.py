@@ -13,12 +13,13 @@ Layout of a run directory (docs/training.md):
                                             non-finite counters, DNA -> token id map
         COMPLETE                            manifest, written last: {step, files: {path: bytes}}
 
-Atomicity: a checkpoint is written into `checkpoints/.tmp-step_N-<pid>` (files fsynced), the
-`COMPLETE` manifest is written last, and only then is the directory renamed to `step_N` (one
-atomic rename). A crash at any point leaves either no `step_N` or a complete one; `latest()`
-also checks the manifest against the files, so a directory damaged later is skipped too.
-Pruning removes the manifest first, so a half-deleted checkpoint never looks complete.
-A save holds Ctrl-C / SIGTERM back until it is done (genolong.train.lifeline.uninterruptible);
+Atomicity (genolong.checkpoint_dir, shared with the multi-process format): a checkpoint is written
+into `checkpoints/.tmp-step_N-<pid>` (files fsynced), the `COMPLETE` manifest is written last, and
+only then is the directory renamed to `step_N` (one atomic rename). A crash at any point leaves
+either no `step_N` or a complete one; `latest()` also checks the manifest against the files, so a
+directory damaged later is skipped too. Pruning removes the manifest first, so a half-deleted
+checkpoint never looks complete.
+A save holds Ctrl-C / SIGTERM back until it is done (genolong.lifeline.uninterruptible);
 a save killed outright (SIGKILL, power loss) leaves only its `.tmp-step_N-<pid>` directory, which
 the next save or resume of the run removes, with a line on stderr.
 
@@ -31,21 +32,17 @@ Recovery (docs/training.md, "Interrupted runs"): a run with a complete checkpoin
 
 That is the format of a one-process run (the lock is rank 0's in a multi-process run). A multi-process run writes torch.distributed.checkpoint
 files into the same `checkpoints/step_N/` (genolong.parallel.checkpoint: `dcp/`, `config.json`,
-`rng/`, the same trainer_state.json and COMPLETE manifest, made complete by `finalize` here);
+`rng/`, the same trainer_state.json and COMPLETE manifest, made complete by genolong.checkpoint_dir.finalize);
 either format resumes at any layout, and `genolong export` turns either into a transformers
 checkpoint.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
-import random
-import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,24 +50,28 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from genolong.checkpoint_dir import (
+    CHECKPOINTS,
+    STATE_FILE,
+    finalize,
+    latest,
+    notice,
+    prune,
+    remove_stale_temporaries,
+    step_dir_name,
+    step_of,
+)
+# Not used here: genolong.train.loop reaches these through this module (it could import them
+# from genolong.checkpoint_dir directly).
+from genolong.checkpoint_dir import capture_rng, load_trainer_state, restore_rng  # noqa: F401
 from genolong.errors import GenolongError
-from genolong.train.lifeline import uninterruptible
+from genolong.lifeline import uninterruptible
 
-CHECKPOINTS = "checkpoints"
-COMPLETE = "COMPLETE"
 MODEL_DIR = "model"
 OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "trainer_state.json"
 OPTIONS_FILE = "options.json"
 METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = ".lock"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-# Only genolong's own temporary names: a save in progress and a pruned checkpoint being deleted.
-_STALE_DIR = re.compile(r"^\.(tmp|trash)-step_\d{8}-\d+$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def save(
@@ -110,54 +111,6 @@ def _save(root: Path, step: int, write_model, optimizer_state, trainer_state, ke
     return final
 
 
-def finalize(tmp: Path, final: Path, step: int) -> None:
-    """Make the fully written `tmp` the checkpoint `final`: fsync its files, write the COMPLETE
-    manifest last, rename (one atomic step). Also the last step of a multi-process save."""
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    for rel in files:
-        fsync_file(tmp / rel)
-    manifest = {"step": step, "files": files}
-    (tmp / COMPLETE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    fsync_file(tmp / COMPLETE)
-    if final.exists():
-        # Re-saving a step (a resumed run that stops where it was saved): drop the old copy first.
-        _remove(final)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def is_complete(ckpt: Path) -> bool:
-    """True iff the manifest exists and every file it lists is there with its recorded size."""
-    try:
-        manifest = json.loads((ckpt / COMPLETE).read_text(encoding="utf-8"))
-        return all((ckpt / rel).is_file() and (ckpt / rel).stat().st_size == size for rel, size in manifest["files"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and is_complete(p)]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest(run_dir: str | Path) -> Path | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def prune(run_dir: str | Path, keep_last: int) -> None:
-    for old in complete_checkpoints(run_dir)[:-keep_last]:
-        _remove(old)
-
-
-def load_trainer_state(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / STATE_FILE).read_text(encoding="utf-8"))
-
-
 def load_optimizer_state(ckpt: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     return load_file(ckpt / OPTIMIZER_FILE, device=str(device))
 
@@ -193,10 +146,6 @@ def _planned_steps(run: Path) -> int | None:
         return None
 
 
-def _step_of(ckpt: Path) -> int:
-    return int(_STEP_DIR.match(ckpt.name).group(1))
-
-
 def describe_progress(run_dir: str | Path) -> str:
     """"last complete checkpoint: step 20 of 80" or "no complete checkpoint"."""
     run = Path(run_dir)
@@ -204,7 +153,7 @@ def describe_progress(run_dir: str | Path) -> str:
     if ckpt is None:
         return "no complete checkpoint"
     total = _planned_steps(run)
-    return f"last complete checkpoint: step {_step_of(ckpt)}" + (f" of {total}" if total else "")
+    return f"last complete checkpoint: step {step_of(ckpt)}" + (f" of {total}" if total else "")
 
 
 def recovery_hint(run_dir: str | Path) -> str:
@@ -261,27 +210,12 @@ def clear_for_overwrite(run_dir: str | Path) -> None:
     entries = [p for p in run.iterdir() if p.name != LOCK_FILE]
     if not entries:
         return
-    _notice(f"--overwrite: removing the earlier run in {run_dir} ({describe_progress(run)})")
+    notice(f"--overwrite: removing the earlier run in {run_dir} ({describe_progress(run)})")
     for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
-
-
-def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
-    """Delete the temporary directories of saves (or prunes) that crashed; returns what was removed.
-
-    Safe because the caller holds the run lock: no other process is writing into this run."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    stale = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _STALE_DIR.match(p.name)]
-    for path in stale:
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        shutil.rmtree(path, ignore_errors=True)
-        _notice(f"removed {path} ({size / 1e9:.2f} GB), left by a checkpoint save or prune that did not finish")
-    return stale
 
 
 @contextlib.contextmanager
@@ -321,47 +255,7 @@ def locked(run_dir: str | Path):
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _notice(message: str) -> None:
-    print(f"genolong: {message}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------- RNG states
-
-
-def capture_rng() -> dict[str, Any]:
-    """Python, numpy, torch CPU and CUDA generator states as JSON (no pickle in checkpoints)."""
-    version, state, gauss = random.getstate()
-    np_state = np.random.get_state()
-    out = {
-        "python": [version, list(state), gauss],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": _b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available():
-        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return out
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_unb64(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        saved = [_unb64(s) for s in state["cuda"]]
-        if len(saved) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(saved)
-        else:
-            torch.cuda.set_rng_state(saved[0])
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+# ------------------------------------------------------------------------------- JSON for sampler state
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -390,28 +284,3 @@ def from_jsonable(obj: Any) -> Any:
     if isinstance(obj, list):
         return [from_jsonable(v) for v in obj]
     return obj
-
-
-# ------------------------------------------------------------------------------- file system
-
-
-def _remove(ckpt: Path) -> None:
-    (ckpt / COMPLETE).unlink(missing_ok=True)
-    trash = ckpt.with_name(f".trash-{ckpt.name}-{os.getpid()}")
-    os.rename(ckpt, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fsync_file(path)
-    except OSError:
-        pass  # some file systems cannot fsync a directory; the rename is still atomic

@@ -121,7 +121,7 @@ def _tokens_dynamic(*tensors: torch.Tensor) -> None:
 
 
 def hc_forward(streams, fn, base, scale, n: int, iters: int, eps: float, rms_eps: float, triton_sinkhorn: bool):
-    from genolong.model.mhc import mix_weights, sinkhorn
+    from genolong.model.mhc_math import mix_weights, sinkhorn
 
     pre, post, comb = mix_weights(streams, fn, base, scale, n=n, eps=eps, rms_eps=rms_eps)
     comb = torch.ops.genolong.mhc_sinkhorn(comb, iters, eps) if triton_sinkhorn else sinkhorn(comb, iters, eps)

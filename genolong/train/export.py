@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
 from genolong.staging import settle_permissions, staging_dir, write_error
 from genolong.parallel import checkpoint as dist_ckpt
@@ -31,7 +32,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     latest = ckpt_io.check_run_dir(run_dir, flag="--run")
     if step is None:
         return latest
-    found = {int(p.name.removeprefix("step_")): p for p in ckpt_io.complete_checkpoints(run_dir)}
+    found = {int(p.name.removeprefix("step_")): p for p in checkpoint_dir.complete_checkpoints(run_dir)}
     if step not in found:
         raise GenolongError(f"--step {step}: {run_dir} has no complete checkpoint of that step; it has step(s) {', '.join(map(str, sorted(found)))}")
     return found[step]

@@ -9,8 +9,8 @@ genolong.model.sparse_replay and genolong.kernels.sparse_mla.op). In the 128k pr
 these two steps ran twice per step for ~1.7 s of 11 s (H200, 2026-12-01).
 
 How: `KeptResults.context_fn` is the checkpoint's context_fn of every layer (Recompute(keep=...)).
-For each checkpointed call it opens a `ReplayFrame` (genolong.model.ops.replay_frame): in the
-forward the frame records, for the keepable ops (`ops.keepable_ops()`), which implementation ran
+For each checkpointed call it opens a `ReplayFrame` (genolong.model.frames.replay_frame): in the
+forward the frame records, for the keepable ops (`frames.keepable_ops()`), which implementation ran
 and the tensors it returned; in the recompute it checks that the same op of the same layer with
 the same input shapes asks again, and hands the kept tensors to that implementation's replay.
 An implementation without a replay (megatron-core's TileLang kernel) is recorded as such and runs
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from genolong.errors import GenolongError
-from genolong.model import ops
+from genolong.model import frames, ops
 
 WHERE = ("host", "device")
 
@@ -56,7 +56,7 @@ class _Entry:
     impl: str
     signature: tuple
     handles: tuple | None  # the kept tensors (store handles); None: not replayable, runs again
-    pending: ops.DeferredKept | None = None  # kept tensors not chosen yet (stored by resolve_pending)
+    pending: frames.DeferredKept | None = None  # kept tensors not chosen yet (stored by resolve_pending)
 
 
 def _signature(args: tuple) -> tuple:
@@ -76,10 +76,10 @@ class ReplayFrame:
         return op in self.owner.ops
 
     def record(self, op: str, layer_idx: int, impl: str, args: tuple, kept) -> None:
-        """kept: the tensors to keep, None (not replayable) or an ops.DeferredKept, stored once it has
+        """kept: the tensors to keep, None (not replayable) or an frames.DeferredKept, stored once it has
         resolved: when the next op records or the forward ends (`resolve_pending`), whichever is first."""
         self.resolve_pending()
-        if isinstance(kept, ops.DeferredKept):
+        if isinstance(kept, frames.DeferredKept):
             self.entries.append(_Entry(op, layer_idx, impl, _signature(args), None, pending=kept))
         else:
             handles = None if kept is None else tuple(self.owner.store(t, layer_idx) for t in kept)
@@ -136,7 +136,7 @@ class KeptResults:
             raise GenolongError("keeping results in host memory needs a HostOffloader (genolong.train.offload)")
         self.where = where
         self.offloader = offloader
-        self.ops = frozenset(ops.keepable_ops() if ops_kept is None else ops_kept)
+        self.ops = frozenset(frames.keepable_ops() if ops_kept is None else ops_kept)
         self.stats = KeepStats()
         # This step's frames in forward order, weakly (the autograd graph owns them).
         self._frames: list[weakref.ReferenceType] = []
@@ -151,7 +151,7 @@ class KeptResults:
         self._frames.append(weakref.ref(frame))
         policy_forward, policy_recompute = ops.recompute_context()
         return (_joined(policy_forward, _recording(frame)),
-                ops.Reenterable(lambda: _joined(policy_recompute, self._replaying(frame))))
+                frames.Reenterable(lambda: _joined(policy_recompute, self._replaying(frame))))
 
     @contextlib.contextmanager
     def _replaying(self, frame: ReplayFrame):
@@ -165,7 +165,7 @@ class KeptResults:
                 if earlier is not None and earlier.has_kept():
                     earlier.prefetch()
                     break
-        with ops.replay_frame(frame):
+        with frames.replay_frame(frame):
             yield
 
     # -- where the tensors wait ------------------------------------------------------------------
@@ -195,7 +195,7 @@ class KeptResults:
 def _recording(frame: ReplayFrame):
     """The forward of a checkpointed call: its keepable ops record into `frame`; what is still to be
     chosen when the forward ends is chosen then (its tensors must not outlive the forward on the GPU)."""
-    with ops.replay_frame(frame):
+    with frames.replay_frame(frame):
         yield
     frame.resolve_pending()
 

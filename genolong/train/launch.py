@@ -15,7 +15,7 @@ A `GenolongError` raised in the worker (bad input, a run stopped for non-finite 
 back as a `GenolongError` with the same one-line message; anything else comes back with the
 worker's traceback.
 
-Lifetimes (genolong.train.lifeline): the local worker dies with this process however it dies,
+Lifetimes (genolong.lifeline): the local worker dies with this process however it dies,
 and this process reports the worker's death (exit code or signal, with the out-of-memory hint)
 and what to type next. Ctrl-C (or SIGTERM) here is forwarded to the worker once; the worker
 stops at a safe point (a checkpoint being written is finished first; a second Ctrl-C abandons
@@ -29,11 +29,11 @@ import os
 import signal
 import sys
 import threading
-import traceback
 
 from genolong.errors import GenolongError
-from genolong.train import lifeline
+from genolong import lifeline
 from genolong.train.options import TrainOptions
+from genolong.train.worker import run_worker
 
 # After forwarding a stop request, how long to wait for the worker to finish a checkpoint it is
 # writing before killing it (a glm-5.3-flash-sized save takes minutes; Ctrl-C again kills now).
@@ -77,25 +77,10 @@ def _run_here(options: TrainOptions, spec) -> list[dict]:
         raise GenolongError(f"rank {rank}: {err}") from None
 
 
-def _run(options_dict: dict) -> tuple[str, object]:
-    """("ok", records) | ("error", one-line message) | ("crash", traceback) | ("interrupted", None):
-    picklable whatever happens."""
-    from genolong.train.loop import train
-
-    try:
-        return "ok", train(TrainOptions.from_dict(options_dict))
-    except GenolongError as err:
-        return "error", str(err)
-    except KeyboardInterrupt:
-        return "interrupted", None
-    except Exception:  # noqa: BLE001  (any failure must reach the parent, with its traceback)
-        return "crash", traceback.format_exc()
-
-
 def _process_main(options_dict: dict, conn, parent_pid: int) -> None:
     lifeline.stop_on_sigterm()
     lifeline.follow_parent(parent_pid)
-    result = _run(options_dict)
+    result = run_worker(options_dict)
     try:
         conn.send(result)
     except (BrokenPipeError, EOFError, OSError):

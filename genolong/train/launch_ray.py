@@ -23,6 +23,7 @@ import sys
 
 from genolong.errors import GenolongError
 from genolong.train.options import TrainOptions
+from genolong.train.worker import run_worker
 
 PLACEMENT_TIMEOUT_S = 300.0
 
@@ -44,10 +45,8 @@ class RankActor:
         }
 
     def run(self, options_dict: dict, env: dict[str, str]) -> tuple[str, object]:
-        from genolong.train.launch import _run
-
         os.environ.update(env)
-        return _run(options_dict)
+        return run_worker(options_dict)
 
 
 def rank_environments(places: list[dict]) -> list[dict[str, str]]:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genolong.model import ops
+from genolong.model import frames
 from genolong.train.keep import KeptResults
 from genolong.train.keep_moe import KEPT_OP as KEPT_MOE
 from genolong.train.keep_moe import kept_moe_output
@@ -63,7 +63,7 @@ class ChunkedMoE(ModuleWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.reshape(-1, x.shape[-1]).shape[0] <= self.chunk_tokens:
             return self.wrapped(x)
-        frame = ops.current_frame() if torch.is_grad_enabled() else None
+        frame = frames.current_frame() if torch.is_grad_enabled() else None
         if frame is not None and frame.keeps(KEPT_MOE):  # keep_moe: the recompute takes the forward's output
             return kept_moe_output(self.wrapped, x, self.chunk_tokens, frame)
         return self.checkpointed_chunks(x)
@@ -173,7 +173,7 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
         if opts.offload:
             _apply_offload(handle, model, opts)
         where = opts.kept_where() or opts.kept_moe_where()
-        kept_ops = (*(ops.keepable_ops() if opts.kept_where() else ()), *((KEPT_MOE,) if opts.keeps_moe() else ()))
+        kept_ops = (*(frames.keepable_ops() if opts.kept_where() else ()), *((KEPT_MOE,) if opts.keeps_moe() else ()))
         if where == "host" and opts.keep_sparse != "host" and not _on_cuda(model):
             where = "device"  # host and device memory are one RAM: a copy would only cost time
         if where is not None:

@@ -1,4 +1,5 @@
-"""Per-step records and where they go: metrics.jsonl, TensorBoard (if installed), a progress bar.
+"""Per-step records and where they go: metrics.jsonl and TensorBoard (if installed); the progress
+display is genolong.train.progress_lines.
 
 One JSON line per step, written and flushed as the step ends, so a crashed run keeps its log up
 to the crash; on resume the log is cut back to the checkpoint's step before new lines are added,
@@ -110,56 +111,6 @@ class TensorBoardLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-class Progress:
-    """A rich progress bar with the latest loss, tokens/s, MFU and memory (off: no output at all)."""
-
-    def __init__(self, total: int, start: int, enabled: bool, compiling: bool = False):
-        from genolong.train.progress_lines import FIRST_STEP_CPU, FIRST_STEP_GPU, Pace
-
-        self._bar = None
-        self._total = total
-        self._pace = Pace()
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
-        from rich.progress import Progress as RichProgress
-
-        # No rich TimeRemainingColumn: it extrapolates from the first step, which compiles (minutes).
-        self._bar = RichProgress(TextColumn("[bold]finetune"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"))
-        self._task = self._bar.add_task("train", total=total, completed=start, info=FIRST_STEP_GPU if compiling else FIRST_STEP_CPU)
-        self._bar.start()
-
-    def update(self, record: StepRecord) -> None:
-        from genolong.train.progress_lines import time_left
-
-        per_step = self._pace.update(record.step)
-        if self._bar is None:
-            return
-        parts = [f"loss {record.loss:.4f}", f"{record.tokens_per_s:,.0f} tok/s"]
-        left = time_left(per_step, self._total - record.step)
-        if left:
-            parts.insert(0, left)
-        if record.mfu is not None:
-            parts.append(f"MFU {100 * record.mfu:.1f}%")
-        if record.peak_gpu_gib is not None:
-            parts.append(f"peak {record.peak_gpu_gib:.1f} GiB")
-        if record.pinned_host_gib:
-            parts.append(f"pinned {record.pinned_host_gib:.1f} GiB")
-        if record.expert_load_max:
-            parts.append(f"busiest expert {max(record.expert_load_max.values()):.1f}x mean")
-        if record.indexer_loss is not None:
-            parts.append(f"indexer KL {record.indexer_loss:.4f}" + (" (warm-up)" if record.indexer_phase == "warmup" else ""))
-        if record.indexer_recall is not None:
-            parts.append(f"recall {record.indexer_recall:.3f}")
-        if record.skipped:
-            parts.append("[red]skipped (non-finite)")
-        self._bar.update(self._task, completed=record.step, info="  ".join(parts))
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

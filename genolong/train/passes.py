@@ -4,7 +4,7 @@ The model (genolong/model) is plain single-device PyTorch. What a training run c
 applied here, from outside, as in torchtitan's `parallelize()`; each pass wraps or switches
 modules so that print(model) shows it, and none changes a state-dict key or a parameter name:
 
-1. kernel policy     `ops.bind`: the model's own genolong.model.ops.KernelPolicy (GenoLongModel.kernel_policy)
+1. kernel policy     `bind_kernel_policy`: the model's own genolong.model.ops.KernelPolicy (GenoLongModel.kernel_policy)
 2. tensor / expert   genolong.parallel.tensor.apply_tensor_parallel, genolong.parallel.expert.apply_expert_parallel
    parallel          (slice parameters, so before the optimizer exists; the plain modules switched to
                      their TensorParallel* / ExpertParallel* subclasses)
@@ -35,6 +35,7 @@ import torch
 
 from genolong.errors import GenolongError
 from genolong.model import ops
+from genolong.model.model import bind_kernel_policy
 
 PASS_ORDER = ("kernel policy", "tensor/expert parallel", "context parallel", "MoE chunking", "recompute + offload", "compile", "fsdp", "gradient sync")
 
@@ -67,7 +68,7 @@ def parallelize(model: torch.nn.Module, options, pmesh=None, *, kernels: str = o
         import genolong.kernels
 
         genolong.kernels.load()
-    policy = ops.bind(model, kernels)
+    policy = bind_kernel_policy(model, kernels)
     if pmesh is not None:
         layout = pmesh.layout
         if layout.tp > 1:

@@ -1,4 +1,4 @@
-"""Training progress where there is no terminal: plain lines, not a progress bar.
+"""Training progress: a rich progress bar on a terminal (`Progress`), plain lines elsewhere (`StepLines`).
 
 A rich progress bar drawn into a pipe, a log file or CI output prints nothing until it stops,
 so a long run looks dead. Without a terminal, `--progress` prints one line per step instead,
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import sys
 import time
+
+from genolong.train.metrics import StepRecord
 
 # What the first step of an invocation is doing besides training (it can take minutes on a fresh GPU
 # machine: torch.compile and Triton / TileLang builds and autotuning). Its time says nothing about
@@ -84,12 +86,56 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
+class Progress:
+    """A rich progress bar with the latest loss, tokens/s, MFU and memory (off: no output at all)."""
+
+    def __init__(self, total: int, start: int, enabled: bool, compiling: bool = False):
+        self._bar = None
+        self._total = total
+        self._pace = Pace()
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+        from rich.progress import Progress as RichProgress
+
+        # No rich TimeRemainingColumn: it extrapolates from the first step, which compiles (minutes).
+        self._bar = RichProgress(TextColumn("[bold]finetune"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"))
+        self._task = self._bar.add_task("train", total=total, completed=start, info=FIRST_STEP_GPU if compiling else FIRST_STEP_CPU)
+        self._bar.start()
+
+    def update(self, record: StepRecord) -> None:
+        per_step = self._pace.update(record.step)
+        if self._bar is None:
+            return
+        parts = [f"loss {record.loss:.4f}", f"{record.tokens_per_s:,.0f} tok/s"]
+        left = time_left(per_step, self._total - record.step)
+        if left:
+            parts.insert(0, left)
+        if record.mfu is not None:
+            parts.append(f"MFU {100 * record.mfu:.1f}%")
+        if record.peak_gpu_gib is not None:
+            parts.append(f"peak {record.peak_gpu_gib:.1f} GiB")
+        if record.pinned_host_gib:
+            parts.append(f"pinned {record.pinned_host_gib:.1f} GiB")
+        if record.expert_load_max:
+            parts.append(f"busiest expert {max(record.expert_load_max.values()):.1f}x mean")
+        if record.indexer_loss is not None:
+            parts.append(f"indexer KL {record.indexer_loss:.4f}" + (" (warm-up)" if record.indexer_phase == "warmup" else ""))
+        if record.indexer_recall is not None:
+            parts.append(f"recall {record.indexer_recall:.3f}")
+        if record.skipped:
+            parts.append("[red]skipped (non-finite)")
+        self._bar.update(self._task, completed=record.step, info="  ".join(parts))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
 def progress_display(total: int, start: int, enabled: bool, compiling: bool = False):
     """The progress bar on a terminal, step lines elsewhere, nothing when disabled. `compiling`: the
     first step builds kernels (on the GPU), and the display says so while it runs."""
     from rich.console import Console
-
-    from genolong.train.metrics import Progress
 
     if enabled and not Console().is_terminal:
         return StepLines(total, start, compiling=compiling)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from genolong.data import open_prepared, prepare, tile_windows
 from genolong.data.planted import scramble_sources, window_rng
 from genolong.errors import GenolongError
-from genolong.eval.recall import RecallLayout, RecallSettings, evaluate, plant_for_eval
+from genolong.eval.recall import RecallSettings, evaluate, plant_for_eval
+from genolong.eval.recall_layout import RecallLayout
 from genolong.eval.store import PARTIAL_NAME
 from genolong.model import GenoLongForCausalLM, get_preset, save_pretrained
 from genolong.model.checkpoint import from_pretrained

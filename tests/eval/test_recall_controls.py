@@ -13,7 +13,8 @@ import torch
 
 from genolong.data.planted import PlantedCopy, PlantedWindow, scramble_sources
 from genolong.errors import GenolongError
-from genolong.eval.recall import RecallLayout, RecallSettings, evaluate, plant_for_eval, score_planted
+from genolong.eval.recall import RecallSettings, evaluate, plant_for_eval, score_planted
+from genolong.eval.recall_layout import RecallLayout
 from genolong.eval.recall_report import aggregate, offsets_csv, summary_text, to_csv, to_json
 from genolong.eval.store import PARTIAL_NAME
 from genolong.vocab import N_ID

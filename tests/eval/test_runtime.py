@@ -25,3 +25,16 @@ def test_bad_choices_are_refused_in_one_line(dtype, kernels, words):
 def test_cuda_without_a_gpu_names_the_fix():
     with pytest.raises(GenolongError, match="use --device cpu"):
         runtime.pick_device("cuda")
+
+
+def test_settle_gives_one_runtime_for_both_commands():
+    rt = runtime.settle(torch.device("cpu"), "fp32", None, runtime.loss_chunk_tokens("2k"))
+    assert (rt.dtype, rt.policy, rt.chunk_tokens, rt.torch_dtype) == ("float32", "reference", 2048, torch.float32)
+    assert runtime.loss_chunk_tokens(None) is None
+
+
+@pytest.mark.parametrize(("bootstrap", "fraction", "words"), [(0, 0.1, "--bootstrap must be at least 1"), (10, 1.0, "--max-n-fraction must be in")])
+def test_common_sampling_options_are_refused_in_one_line(bootstrap, fraction, words):
+    with pytest.raises(GenolongError, match=words) as err:
+        runtime.check_sampling(bootstrap, fraction)
+    assert "\n" not in str(err.value)

@@ -117,7 +117,7 @@ def test_short_conv_fla_outputs_and_gradients():
 
 def test_sinkhorn_kernels_outputs_and_gradients():
     from genolong.kernels.mhc import sinkhorn as ms
-    from genolong.model.mhc import sinkhorn
+    from genolong.model.mhc_math import sinkhorn
 
     x = torch.softmax(torch.randn(100_003, 4, 4, device=DEV, dtype=torch.float64) * 2, -1) + 1e-6
     dy = torch.randn_like(x)

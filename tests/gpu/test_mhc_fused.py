@@ -96,7 +96,7 @@ def test_glm53_mini_with_the_fused_mhc_trains_like_with_the_eager_mhc():
 def test_sinkhorn_backward_kernel_matches_fp64_autograd_on_the_gpu():
     # The O(steps) stored-sums kernel, over a masked tail.
     from genolong.kernels.mhc import sinkhorn as ms
-    from genolong.model.mhc import sinkhorn
+    from genolong.model.mhc_math import sinkhorn
 
     g = torch.Generator(device=DEV).manual_seed(0)
     x = torch.softmax(torch.randn(70_000, 4, 4, generator=g, device=DEV) * 2, -1) + 1e-6

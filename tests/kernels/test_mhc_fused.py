@@ -159,7 +159,7 @@ def test_the_ops_decline_what_they_cannot_run():
 
 def test_the_reference_ops_are_the_modules_eager_path():
     """HyperConnection runs through the ops; under the reference policy that is the eager code."""
-    from genolong.model import mhc, mhc_eager
+    from genolong.model import mhc, mhc_eager, mhc_math
     from genolong.model.config import MHCConfig
 
     torch.manual_seed(0)
@@ -169,8 +169,8 @@ def test_the_reference_ops_are_the_modules_eager_path():
     with ops.policy("reference") as policy:
         post, comb, x = hc(streams)
         new = hc.expand(post, comb, x, streams)
-    pre_w, post_w, comb_w = mhc.mix_weights(streams, hc.fn, hc.base, hc.scale, n=hc.n, eps=hc.eps, rms_eps=hc.rms_eps)
-    assert torch.allclose(post, post_w) and torch.allclose(x, mhc.collapse(pre_w, streams), atol=1e-6)
-    assert torch.allclose(comb, mhc.sinkhorn(comb_w, hc.sinkhorn_iters, hc.eps), atol=1e-6)
+    pre_w, post_w, comb_w = mhc_math.mix_weights(streams, hc.fn, hc.base, hc.scale, n=hc.n, eps=hc.eps, rms_eps=hc.rms_eps)
+    assert torch.allclose(post, post_w) and torch.allclose(x, mhc_math.collapse(pre_w, streams), atol=1e-6)
+    assert torch.allclose(comb, mhc_math.sinkhorn(comb_w, hc.sinkhorn_iters, hc.eps), atol=1e-6)
     assert torch.allclose(new, mhc_eager.expand(post, comb, x, streams))
     assert policy.audit == {(3, "mhc_mix_collapse"): ops.REFERENCE, (3, "mhc_expand"): ops.REFERENCE}

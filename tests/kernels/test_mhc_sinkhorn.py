@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 
-from genolong.model.mhc import sinkhorn
+from genolong.model.mhc_math import sinkhorn
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 _INTERPRETED = """
 import torch
 from genolong.kernels.mhc import sinkhorn as ms
-from genolong.model.mhc import sinkhorn
+from genolong.model.mhc_math import sinkhorn
 g = torch.Generator().manual_seed(0)
 # 150 tokens: a full block of 128 and a masked tail; iters 20 (the model's) and 1 (no row pass).
 for iters in (20, 1):

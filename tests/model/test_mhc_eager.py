@@ -1,9 +1,9 @@
-"""genolong/model/mhc_eager.py against the references in genolong/model/mhc.py: values and gradients."""
+"""genolong/model/mhc_eager.py against the references in genolong/model/mhc_math.py: values and gradients."""
 
 import pytest
 import torch
 
-from genolong.model import mhc, mhc_eager
+from genolong.model import mhc_eager, mhc_math
 
 
 def _comb(shape, dtype, seed=0):
@@ -17,7 +17,7 @@ def test_sinkhorn_values_and_gradients_equal_the_reference_in_float64(iters, sha
     x = _comb(shape, torch.float64)
     dy = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out, ref = mhc_eager.sinkhorn(a, iters, 1e-6), mhc.sinkhorn(b, iters, 1e-6)
+    out, ref = mhc_eager.sinkhorn(a, iters, 1e-6), mhc_math.sinkhorn(b, iters, 1e-6)
     (out * dy).sum().backward()
     (ref * dy).sum().backward()
     assert out.shape == ref.shape
@@ -34,7 +34,7 @@ def test_sinkhorn_float32_matches_the_reference_to_rounding():
     x = _comb((1, 300, 4, 4), torch.float32, seed=2)
     dy = torch.randn(1, 300, 4, 4, generator=torch.Generator().manual_seed(3))
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out, ref = mhc_eager.sinkhorn(a, 20, 1e-6), mhc.sinkhorn(b, 20, 1e-6)
+    out, ref = mhc_eager.sinkhorn(a, 20, 1e-6), mhc_math.sinkhorn(b, 20, 1e-6)
     # The output is a fresh tensor: changing it in place leaves the saved values (the backward) alone.
     saved = out.grad_fn.saved_tensors[0]
     assert not (saved.data_ptr() <= out.data_ptr() < saved.data_ptr() + saved.numel() * saved.element_size())
@@ -56,7 +56,7 @@ def test_collapse_values_and_gradients_equal_the_reference(dtype):
     streams = torch.randn(2, 9, 4, 16, generator=g, dtype=dtype)
     dy = torch.randn(2, 9, 16, generator=g, dtype=dtype)
     p1, s1, p2, s2 = (t.clone().requires_grad_() for t in (pre, streams, pre, streams))
-    out, ref = mhc_eager.collapse(p1, s1), mhc.collapse(p2, s2)
+    out, ref = mhc_eager.collapse(p1, s1), mhc_math.collapse(p2, s2)
     (out * dy).sum().backward()
     (ref * dy).sum().backward()
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
@@ -68,7 +68,7 @@ def test_collapse_values_and_gradients_equal_the_reference(dtype):
 def test_collapse_in_bfloat16_is_the_reference():
     g = torch.Generator().manual_seed(5)
     pre, streams = torch.rand(1, 6, 4, generator=g), torch.randn(1, 6, 4, 32, generator=g).bfloat16()
-    assert torch.equal(mhc_eager.collapse(pre, streams), mhc.collapse(pre, streams))
+    assert torch.equal(mhc_eager.collapse(pre, streams), mhc_math.collapse(pre, streams))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -80,7 +80,7 @@ def test_expand_values_and_gradients_equal_the_reference(dtype):
     residual = torch.randn(2, 9, 4, 16, generator=g, dtype=dtype)
     dy = torch.randn(2, 9, 4, 16, generator=g, dtype=dtype)
     a, b = [[t.clone().requires_grad_() for t in (post, comb, out, residual)] for _ in range(2)]
-    got, want = mhc_eager.expand(*a), mhc.expand(*b)
+    got, want = mhc_eager.expand(*a), mhc_math.expand(*b)
     (got * dy).sum().backward()
     (want * dy).sum().backward()
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
@@ -104,4 +104,4 @@ def test_expand_in_bfloat16_is_the_reference():
     g = torch.Generator().manual_seed(8)
     post, comb = torch.rand(1, 5, 4, generator=g), torch.rand(1, 5, 4, 4, generator=g)
     out, residual = torch.randn(1, 5, 8, generator=g).bfloat16(), torch.randn(1, 5, 4, 8, generator=g).bfloat16()
-    assert torch.equal(mhc_eager.expand(post, comb, out, residual), mhc.expand(post, comb, out, residual))
+    assert torch.equal(mhc_eager.expand(post, comb, out, residual), mhc_math.expand(post, comb, out, residual))

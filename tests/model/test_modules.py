@@ -18,7 +18,8 @@ from genolong.model import dsa as dsa_mod
 from genolong.model import indexer as indexer_mod
 from genolong.model.dsa import DSAAttention, sparse_attention_reference
 from genolong.model.indexer import Indexer, indexer_topk_reference
-from genolong.model.mhc import HyperConnection, sinkhorn
+from genolong.model.mhc import HyperConnection
+from genolong.model.mhc_math import sinkhorn
 from genolong.model.moe import Router, moe_experts_reference
 
 

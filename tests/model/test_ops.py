@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from genolong.model import GenoLongForCausalLM, get_preset, ops
+from genolong.model import GenoLongForCausalLM, frames, get_preset, ops
+from genolong.model.model import bind_kernel_policy
 
 
 @pytest.fixture
@@ -91,8 +92,8 @@ def test_two_models_with_their_own_policies_in_one_process():
     ops.register("kda", "test_fast", fast)
     try:
         plain, fused = _counting_model(), _counting_model()
-        ops.bind(plain, "reference")
-        policy = ops.bind(fused, "fused")
+        bind_kernel_policy(plain, "reference")
+        policy = bind_kernel_policy(fused, "fused")
         assert "kernel_policy=fused" in str(fused) and "kernel_policy=reference" in str(plain)
         ids = torch.randint(0, 5, (1, 32))
         with torch.no_grad():
@@ -142,7 +143,7 @@ def test_the_recompute_in_backward_runs_under_the_forward_policy():
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_checkpointed_is_true_in_a_layer_checkpoints_forward_and_recompute_only(keep):
-    """`ops.checkpointed()` tells an op it may save intermediates for a backward that follows at once;
+    """`frames.checkpointed()` tells an op it may save intermediates for a backward that follows at once;
     it must hold inside the checkpoint's forward and its recompute (with kept results or without), and
     nowhere else."""
     from genolong.train.keep import KeptResults
@@ -151,15 +152,15 @@ def test_checkpointed_is_true_in_a_layer_checkpoints_forward_and_recompute_only(
     seen = []
 
     def layer(x):
-        seen.append(ops.checkpointed())
+        seen.append(frames.checkpointed())
         return x.sin()
 
     x = torch.randn(4, requires_grad=True)
-    assert not ops.checkpointed()
+    assert not frames.checkpointed()
     out = checkpointed(layer, x, keep=KeptResults(where="device") if keep else None)
-    assert seen == [True] and not ops.checkpointed()
+    assert seen == [True] and not frames.checkpointed()
     out.sum().backward()
-    assert seen == [True, True] and not ops.checkpointed()
+    assert seen == [True, True] and not frames.checkpointed()
     torch.testing.assert_close(x.grad, x.detach().cos())
     layer(x)
     assert seen[-1] is False

@@ -277,7 +277,7 @@ def kda_layer(seed: int = 0):
 
 
 def kda_layer_check(pmesh, mode: str) -> dict:
-    from genolong.parallel.context import ContextGroup
+    from genolong.parallel.context_group import ContextGroup
     from genolong.parallel.context_kda import ContextParallelKDA
 
     module, x, up = kda_layer()
@@ -306,7 +306,7 @@ def dsa_layer(seed: int = 0):
 
 
 def dsa_layer_check(pmesh, balanced: bool) -> dict:
-    from genolong.parallel.context import ContextGroup
+    from genolong.parallel.context_group import ContextGroup
     from genolong.parallel.context_dsa import BalancedIndexer, ContextParallelDSA
 
     module, x, up = dsa_layer()

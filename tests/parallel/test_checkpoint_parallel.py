@@ -33,7 +33,7 @@ def _save_rank(rank, world, port, root, die, results):
         if rank == 1 and die == "inside_dcp":
             dist_ckpt.dcp.save = lambda *a, **k: os._exit(9)
         if rank == 1 and die == "after_dcp":
-            dist_ckpt.ckpt_io.fsync_file = lambda *a, **k: os._exit(9)
+            dist_ckpt.checkpoint_dir.fsync_file = lambda *a, **k: os._exit(9)
         dist_ckpt.save(root, 3, model=model, optimizer=optimizer, trainer_state={"step": 3}, pmesh=pmesh, keep_last=2)
         results.put((rank, "ok", None))
     except BaseException as err:  # noqa: BLE001  (the parent checks what rank 0 saw)
@@ -73,6 +73,7 @@ def _save_and_describe(rank, world, root):
     from genolong.parallel import checkpoint as dist_ckpt
     from genolong.parallel.layout import ParallelLayout
     from genolong.parallel.mesh import build_mesh
+    from genolong import checkpoint_dir
     from genolong.train import checkpoint as ckpt_io
     from genolong.train.optim import MasterAdamW
 
@@ -82,7 +83,7 @@ def _save_and_describe(rank, world, root):
     optimizer = MasterAdamW(list(model.named_parameters()), lr=1e-3)
     final = dist_ckpt.save(root, 5, model=model, optimizer=optimizer, trainer_state={"step": 5}, pmesh=pmesh, keep_last=2)
     state = json.loads((Path(final) / ckpt_io.STATE_FILE).read_text())
-    return ckpt_io.is_complete(Path(final)), state["format"], state["optimizer_steps"], sorted(p.name for p in (Path(final) / "rng").iterdir())
+    return checkpoint_dir.is_complete(Path(final)), state["format"], state["optimizer_steps"], sorted(p.name for p in (Path(final) / "rng").iterdir())
 
 
 def test_a_complete_save_holds_every_rank_and_the_manifest(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
 from genolong.train import checkpoint as ckpt_io
 from genolong.train.metrics import read_jsonl
@@ -107,7 +108,7 @@ def test_a_rank_killed_mid_run_ends_the_run_and_leaves_only_complete_checkpoints
     assert "SIGKILL" in err or "Signal 9" in err, err[-3000:]
     # Every step directory is complete (a save in flight left only its temporary directory) ...
     steps = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
-    assert steps and all(ckpt_io.is_complete(p) for p in steps), [p.name for p in steps]
+    assert steps and all(checkpoint_dir.is_complete(p) for p in steps), [p.name for p in steps]
     # ... and the run continues from the last one, here in one process.
     last = int(steps[-1].name.removeprefix("step_"))
     more = train(load_run_options(run, progress=False, stop_after=1, parallel=None))

@@ -183,6 +183,7 @@ def test_negative_rates_are_refused():
 
 
 def test_a_run_logs_loads_and_resumes_exactly_with_its_bias(data, tmp_path):
+    from genolong import checkpoint_dir
     from genolong.train import checkpoint as ck
     from genolong.train import loop
     from genolong.train.metrics import read_jsonl
@@ -200,7 +201,7 @@ def test_a_run_logs_loads_and_resumes_exactly_with_its_bias(data, tmp_path):
     # After 2 steps at rate 0.05 every bias is a sum of two signed steps, and the run moved them.
     from safetensors.torch import load_file
 
-    saved = ck.complete_checkpoints(tmp_path / "b")[0] / ck.MODEL_DIR
+    saved = checkpoint_dir.complete_checkpoints(tmp_path / "b")[0] / ck.MODEL_DIR
     bias = next(t for k, t in load_file(next(saved.glob("*.safetensors"))).items() if k.endswith("e_score_correction_bias"))
     assert bias.abs().max() > 0 and all(round(float(b) / 0.05) in (-2, -1, 0, 1, 2) for b in bias)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
 from genolong.train import checkpoint as ck
 
@@ -23,11 +24,11 @@ def _save(run, step, keep=3, write_model=_write_model):
 def test_save_writes_manifest_last_and_latest_finds_it(tmp_path):
     path = _save(tmp_path, 5)
     assert path.name == "step_00000005"
-    manifest = json.loads((path / ck.COMPLETE).read_text())
+    manifest = json.loads((path / checkpoint_dir.COMPLETE).read_text())
     assert manifest["step"] == 5
     assert set(manifest["files"]) == {"model/weights.bin", ck.OPTIMIZER_FILE, ck.STATE_FILE}
     assert ck.latest(tmp_path) == path
-    assert ck.load_trainer_state(path) == {"step": 5}
+    assert checkpoint_dir.load_trainer_state(path) == {"step": 5}
     assert torch.equal(ck.load_optimizer_state(path)["m"], torch.ones(3))
 
 
@@ -60,7 +61,7 @@ def test_incomplete_or_damaged_directories_are_ignored(tmp_path):
 def test_keep_last_prunes_oldest(tmp_path):
     for step in (1, 2, 3, 4):
         _save(tmp_path, step, keep=2)
-    assert [p.name for p in ck.complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert [p.name for p in checkpoint_dir.complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
     assert sorted(p.name for p in (tmp_path / ck.CHECKPOINTS).iterdir()) == ["step_00000003", "step_00000004"]
 
 
@@ -81,12 +82,12 @@ def test_rng_states_round_trip_through_json():
     np.random.seed(2)
     torch.manual_seed(3)
     random.random(), np.random.rand(), torch.rand(1), np.random.randn()  # leave a cached gaussian
-    state = json.loads(json.dumps(ck.capture_rng()))
+    state = json.loads(json.dumps(checkpoint_dir.capture_rng()))
     want = (random.random(), np.random.randn(), float(torch.rand(1)))
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
-    ck.restore_rng(state)
+    checkpoint_dir.restore_rng(state)
     assert (random.random(), np.random.randn(), float(torch.rand(1))) == want
 
 
@@ -118,7 +119,7 @@ def test_a_crashed_saves_temporary_directory_is_removed_by_the_next_save(tmp_pat
     assert all(path.is_dir() for path in keep)
     err = capsys.readouterr().err
     assert ".tmp-step_00000002-999999" in err and "did not finish" in err
-    assert [p.name for p in ck.complete_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
+    assert [p.name for p in checkpoint_dir.complete_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
 
 
 @pytest.fixture
@@ -143,7 +144,7 @@ def test_an_interrupt_during_a_save_waits_for_the_save(tmp_path, capsys, ctrl_c_
         _save(tmp_path, 4, write_model=interrupted_midway)
     # The interrupt arrived after the save: the checkpoint is complete, nothing temporary is left.
     assert ck.latest(tmp_path).name == "step_00000004"
-    assert ck.is_complete(ck.latest(tmp_path)) and (ck.latest(tmp_path) / "model" / "more.bin").is_file()
+    assert checkpoint_dir.is_complete(ck.latest(tmp_path)) and (ck.latest(tmp_path) / "model" / "more.bin").is_file()
     assert [p.name for p in (tmp_path / ck.CHECKPOINTS).iterdir()] == ["step_00000004"]
     assert "finishing checkpoint step_00000004" in capsys.readouterr().err
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from genolong.errors import GenolongError
-from genolong.model import GenoLongForCausalLM, get_preset, ops
+from genolong.model import GenoLongForCausalLM, frames, get_preset, ops
 from genolong.model.dsa import sparse_attention_reference
 from genolong.model.indexer_loss import IndexerLossSwitch
 from genolong.model.sparse_replay import sparse_attention_backward_reference, sparse_attention_replay_reference
@@ -299,7 +299,7 @@ def test_a_deferred_selection_pack_resolves_to_what_the_synchronous_check_keeps(
     assert pack_selection_deferred(narrow, kpool=4, topk_pools=5)[0] is narrow
 
 
-class _Deferred(ops.DeferredKept):
+class _Deferred(frames.DeferredKept):
     def __init__(self, t):
         self.t, self.resolved = t, 0
 

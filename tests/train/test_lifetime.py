@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
 from genolong.train import checkpoint as ck
 from genolong.train import loop
@@ -124,7 +125,7 @@ def test_ctrl_c_stops_both_with_130_and_the_run_continues_with_resume(data, tmp_
     assert Path(python).resolve() == Path(sys.executable).resolve()
     assert not _alive(worker)
     saved = ck.latest(run)
-    assert saved is not None and ck.is_complete(saved)
+    assert saved is not None and checkpoint_dir.is_complete(saved)
     assert not [p for p in (run / ck.CHECKPOINTS).iterdir() if p.name.startswith(".")]
     at = int(saved.name.removeprefix("step_"))
     more = loop.train(loop.load_run_options(run, stop_after=1, progress=False))

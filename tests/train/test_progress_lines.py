@@ -38,7 +38,7 @@ def test_the_time_left_comes_from_the_steady_steps_and_the_gpu_says_it_compiles(
 
 
 def test_the_progress_bar_estimates_from_the_steady_steps_too():
-    from genolong.train.metrics import Progress
+    from genolong.train.progress_lines import Progress
 
     bar = Progress(total=12, start=0, enabled=False)
     pace = bar._pace

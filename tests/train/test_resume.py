@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
 from genolong.model import GenoLongForCausalLM, get_preset, save_pretrained
 from genolong.train import checkpoint as ck
@@ -25,11 +26,11 @@ def test_three_plus_three_equals_six_straight(data, tmp_path):
     straight = loop.train(tiny_options(data, tmp_path / "a", **common))
 
     first = loop.train(tiny_options(data, tmp_path / "b", stop_after=3, **common))
-    assert [p.name for p in ck.complete_checkpoints(tmp_path / "b")] == ["step_00000003"]
+    assert [p.name for p in checkpoint_dir.complete_checkpoints(tmp_path / "b")] == ["step_00000003"]
     # Debris of a later save that died before its manifest: resume must not pick it up.
     debris = tmp_path / "b" / ck.CHECKPOINTS / "step_00000005"
     shutil.copytree(tmp_path / "b" / ck.CHECKPOINTS / "step_00000003", debris)
-    (debris / ck.COMPLETE).unlink()
+    (debris / checkpoint_dir.COMPLETE).unlink()
 
     second = loop.train(loop.load_run_options(tmp_path / "b", stop_after=None, progress=False))
     assert [r["step"] for r in second] == [4, 5, 6]
@@ -64,7 +65,7 @@ def test_start_from_a_checkpoint_maps_dna_ids_and_resumes_exactly(data, tmp_path
     assert _losses(first + second) == _losses(straight)
 
     saved = ck.latest(tmp_path / "b")
-    assert ck.load_trainer_state(saved)["dna_token_ids"] == [7, 9, 8, 11, 10]
+    assert checkpoint_dir.load_trainer_state(saved)["dna_token_ids"] == [7, 9, 8, 11, 10]
     # The saved model directory is itself a fine-tuning checkpoint (config + weights + tokenizer).
     assert (saved / ck.MODEL_DIR / "tokenizer.json").is_file()
     # Training moved exactly the rows of the mapped tokens in the embedding (others get no gradient).

@@ -10,7 +10,7 @@ The recurrent state in and out is fla's own (fla 0.6.0: `initial_state` [B, H, K
 with a gradient; the final state fp32 [B, H, K, V], differentiable), in the default K-first
 layout that the op contract and the reference use.
 
-Inside a layer checkpoint (`ops.checkpointed()`, the training default: full recompute) the call
+Inside a layer checkpoint (`frames.checkpointed()`, the training default: full recompute) the call
 asks fla to keep its intermediates for backward (`disable_recompute=True`: the chunk states h, w,
 u, the gated q and k, v_new) instead of recomputing h and w/u in its backward. The checkpoint's
 forward drops them at once and its recompute holds them only until the layer's backward right
@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 
 from genolong.kernels import _common
-from genolong.model import ops
+from genolong.model import frames
 from genolong.model.kda import check_state
 from genolong.model.ops import KernelUnsupported
 
 def keep_intermediates() -> bool:
     """fla keeps its intermediates for backward: inside a layer checkpoint, with gradients on."""
-    return torch.is_grad_enabled() and ops.checkpointed()
+    return torch.is_grad_enabled() and frames.checkpointed()
 
 
 def kda_fla(

@@ -23,16 +23,17 @@ Backward:
    product d_raw^T x over the tokens (a reduction across blocks).
 6. `_expand_bwd_kernel`: d out, d residual, and the per-token reductions d post and d comb.
 
-The references are genolong/model/mhc.py's functions (the ops "mhc_mix_collapse" and
-"mhc_expand"); tests/kernels/test_mhc_fused.py runs these kernels in Triton's interpreter
-against them and builds them for sm_90, tests/gpu/test_mhc_fused.py compares them on the GPU.
+The references are genolong/model/mhc.py's op functions (the ops "mhc_mix_collapse" and
+"mhc_expand", built on genolong/model/mhc_math.py); tests/kernels/test_mhc_fused.py runs these
+kernels in Triton's interpreter against them and builds them for sm_90, tests/gpu/test_mhc_fused.py
+compares them on the GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from genolong.model import mhc as mhc_reference
+from genolong.model import mhc_math
 from genolong.model.ops import KernelUnsupported
 
 try:
@@ -281,7 +282,7 @@ def _tail(raw, rstd, base, scale, n: int, iters: int, eps: float):
     """pre, post and Sinkhorn'd comb from the raw logits: the reference's own pointwise code."""
     from genolong.kernels.mhc import sinkhorn as mhc_sinkhorn  # noqa: F401  (registers torch.ops.genolong.mhc_sinkhorn)
 
-    pre, post, comb = mhc_reference.mix_from_logits(raw * rstd[:, None], base, scale, n=n, eps=eps)
+    pre, post, comb = mhc_math.mix_from_logits(raw * rstd[:, None], base, scale, n=n, eps=eps)
     return pre, post, torch.ops.genolong.mhc_sinkhorn(comb.contiguous(), iters, eps)
 
 

@@ -1,6 +1,6 @@
 """mHC's Sinkhorn normalisation as one Triton kernel per direction, and as a custom op for torch.compile.
 
-Eager PyTorch runs `genolong.model.mhc.sinkhorn` (the reference) as ~120 tiny kernels per
+Eager PyTorch runs `genolong.model.mhc_math.sinkhorn` (the reference) as ~120 tiny kernels per
 sublayer over [T, n, n] fp32, and autograd keeps every one of the 39 intermediate matrices for
 the backward. Here each program holds BT tokens' n x n matrices in registers:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from genolong.model.mhc import sinkhorn as sinkhorn_reference
+from genolong.model.mhc_math import sinkhorn as sinkhorn_reference
 
 BT = 128
 
