@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from genolong.errors import GenolongError
-from genolong.train.flags import FINETUNE, with_flags
+from genolong.train.flags import FINETUNE, memory_options, with_flags
 from genolong.train.plan_cli import plan  # noqa: F401  (mounted by genolong.cli)
 
 
@@ -26,7 +26,6 @@ def finetune(ctx: typer.Context, **params: Any) -> None:
     """
     from genolong.train.flags import train_options
     from genolong.train.launch import launch
-    from genolong.train.options import MemoryOptions
     from genolong.train.resume_flags import resume_options
 
     # The spellings before 0.2, kept hidden: the same quantities under their new names.
@@ -41,7 +40,7 @@ def finetune(ctx: typer.Context, **params: Any) -> None:
     else:
         if params["data"] is None or params["out"] is None:
             raise GenolongError("finetune needs --data DIR and --out RUN_DIR (or --resume RUN_DIR to continue a run)")
-        options = train_options(params, MemoryOptions.from_params(ctx.params, **budgets))
+        options = train_options(params, memory_options(ctx.params, **budgets))
     from genolong.parallel.mesh import launched_world
 
     try:

@@ -20,6 +20,9 @@ from typing import Annotated, Any
 
 import typer
 
+from genolong.train.options import MemoryOptions, TrainOptions
+from genolong.units import parse_length
+
 MEMORY_PANEL = "Memory optimizations (each one can be turned off; --baseline: all off)"
 INDEXER_PANEL = "DSA indexer training (default: frozen)"
 BALANCE_PANEL = "Expert balance and loss weighting"
@@ -218,11 +221,16 @@ def with_flags(names: Iterable[str], own: Mapping[str, Flag] | None = None) -> C
     return apply
 
 
-def train_options(params: Mapping[str, Any], memory):
+def memory_options(params: Mapping[str, Any], **overrides: Any) -> MemoryOptions:
+    """MemoryOptions from a command's parsed parameters (typer's ctx.params; the memory flags `finetune`
+    and `plan` share, MEMORY), `overrides` replacing some."""
+    flags = {name: params[name] for name in MEMORY} | overrides
+    return MemoryOptions.from_flags(flags.pop("baseline"), offload_pinned=flags.pop("pinned"), offload_overlap=flags.pop("overlap"), **flags)
+
+
+def train_options(params: Mapping[str, Any], memory: MemoryOptions) -> TrainOptions:
     """TrainOptions from finetune's parsed flags (`params`, typer's ctx.params), `memory` the
-    MemoryOptions already built from its memory flags (MemoryOptions.from_params)."""
-    from genolong.train.options import TrainOptions
-    from genolong.units import parse_length
+    MemoryOptions already built from its memory flags (memory_options)."""
 
     values: dict[str, Any] = {"memory": memory}
     for name in FINETUNE:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,15 +104,6 @@ class MemoryOptions:
         tile_tokens, tile_auto = parse_tile(tile)
         return cls(recompute=recompute, offload=offload and recompute, tile_tokens=tile_tokens, tile_auto=tile_auto and recompute,
                    **switches, **sizes).validate()
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any], **overrides: Any) -> MemoryOptions:
-        """from_flags over a command's parsed parameters (typer's ctx.params; the memory flags `finetune` and
-        `plan` share, genolong.train.flags.MEMORY), `overrides` replacing some."""
-        from genolong.train.flags import MEMORY
-
-        flags = {name: params[name] for name in MEMORY} | overrides
-        return cls.from_flags(flags.pop("baseline"), offload_pinned=flags.pop("pinned"), offload_overlap=flags.pop("overlap"), **flags)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

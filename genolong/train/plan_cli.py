@@ -32,8 +32,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from genolong.train.flags import MEMORY, Flag, flag_section, with_flags
-from genolong.train.options import MemoryOptions
+from genolong.train.flags import MEMORY, Flag, flag_section, memory_options, with_flags
 from genolong.units import format_length, parse_length
 
 GIB = 1024**3
@@ -166,7 +165,7 @@ def plan(
     if seq_len < 2:
         raise GenolongError(f"--seq must be at least 2 tokens (as finetune needs), got {seq_len}")
     # The budgets as converted from the deprecated spellings above; every other flag as given.
-    opts = MemoryOptions.from_params(ctx.params, gpu_budget_gib=gpu_budget_gib, host_budget_gib=host_budget_gib)
+    opts = memory_options(ctx.params, gpu_budget_gib=gpu_budget_gib, host_budget_gib=host_budget_gib)
     config = get_preset(preset)
     opts.check_layers(config.num_layers)
     console = Console()
