@@ -126,7 +126,11 @@ def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "auto", b
     if any(isinstance(m, (ContextParallelDSA, ContextParallelKDA)) for m in model.modules()):
         raise GenolongError("context parallelism is already applied to this model; apply it once, to the plain model")
     cp = ContextGroup(pmesh.group("cp"), pmesh.rank("cp"), pmesh.size("cp"))
-    kda_mode = resolve_kda_mode(config, cp.size, kda_mode)
+    kda_mode = resolve_kda_mode(config, cp.size, kda_mode, tp=pmesh.layout.tp)
+    if pmesh.layout.tp > 1:  # the tensor-parallel pass ran first: its mixers get the tp x cp classes
+        from genolong.parallel.context_tensor import switch_tensor_parallel_mixers
+
+        switch_tensor_parallel_mixers(model, cp, kda_mode)
     for module in list(model.modules()):
         if type(module) is KimiDeltaAttention:
             module.__class__ = ContextParallelKDA
@@ -142,8 +146,6 @@ def apply_context_parallel(model: nn.Module, pmesh, *, kda_mode: str = "auto", b
 
 def check_context_parallel(config, layout, *, kda_mode: str = "auto") -> None:
     """Raise a one-line GenolongError if `config` (a ModelConfig) cannot run at `layout`'s cp."""
-    if layout.cp > 1 and layout.tp > 1:
-        raise GenolongError(f"--parallel {layout}: tp and cp together are not supported yet; use tp or cp (each composes with dp and ep)")
     check_kda_mode(layout, config, kda_mode)
 
 

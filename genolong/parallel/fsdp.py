@@ -26,6 +26,14 @@ Parameters of another dtype than the model's (the fp32-kept router, conv, gate a
 a bf16 model: genolong.model.model.FP32_PARAM_SUFFIXES) are left out of FSDP (`ignored_params`):
 FSDP2 needs one dtype per group, and they are small (the router's E x hidden is the largest);
 they stay replicated and GradientSync sums them over their whole group.
+
+A training DSA indexer's parameters are left out the same way (`replicated`, from
+genolong.train.passes): its KL gradient does not come from the backward FSDP hooks. The dense
+warm-up accumulates it during a forward under no_grad, into the gathered parameters that the
+layer's post-forward then frees, and no post-backward (reduce-scatter) ever runs for them: the
+gradient was lost and the sharded one stayed None (measured at fsdp=2: an empty warm-up
+gradient; left there, it was added into the next step's reduce-scatter). Replicated, the
+gradient lands on the registered parameter itself and GradientSync sums it over its whole group.
 """
 
 from __future__ import annotations
@@ -40,9 +48,11 @@ from genolong.errors import GenolongError
 from genolong.parallel.tensor_plan import ensure_shard_reduce_groups
 
 
-def apply_fsdp(model: nn.Module, pmesh) -> list[nn.Module]:
+def apply_fsdp(model: nn.Module, pmesh, *, replicated: set[nn.Parameter] = frozenset()) -> list[nn.Module]:
     """Shard `model` over pmesh's "fsdp" dimension (module docstring); returns the FSDP groups' modules.
-    Collective (the extra gradient groups); every rank calls it. fsdp=1 does nothing."""
+    `replicated`: parameters left out of FSDP besides the odd-dtype ones (a training indexer's,
+    whose gradient FSDP's backward hooks never see). Collective (the extra gradient groups); every
+    rank calls it. fsdp=1 does nothing."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if pmesh.layout.fsdp == 1:
@@ -51,7 +61,7 @@ def apply_fsdp(model: nn.Module, pmesh) -> list[nn.Module]:
         raise GenolongError("apply_fsdp: the model is already sharded; apply it once, to a model with plain parameters")
     ensure_shard_reduce_groups(pmesh)
     mesh = pmesh.mesh["shard"]
-    ignored = odd_dtype_parameters(model)
+    ignored = odd_dtype_parameters(model) | set(replicated)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     groups = []
     for layer in _decoder_layers(model):

@@ -148,19 +148,21 @@ def check_kda_mode(layout: ParallelLayout, config, kda_mode: str) -> None:
         raise GenolongError(
             f"KDA context-parallel mode {kda_mode!r} is not one of {', '.join(KDA_MODES)}; use 'auto' (the default), 'state' or 'ulysses'"
         )
-    heads = config.kda.num_heads
+    # Under tp the Ulysses split cuts each tp rank's heads again.
+    heads = config.kda.num_heads // layout.tp
     if kda_mode == "ulysses" and layout.cp > 1 and "kda" in config.layer_types and heads % layout.cp:
+        what = f"the model's {heads} KDA heads" if layout.tp == 1 else f"the {heads} KDA heads of a tp rank"
         raise GenolongError(
-            f"--parallel cp={layout.cp} with the Ulysses KDA split: the model's {heads} KDA heads do not split evenly "
+            f"--parallel cp={layout.cp} with the Ulysses KDA split: {what} do not split evenly "
             f"over {layout.cp} ranks; use a cp that divides {heads}, or the state-passing KDA mode"
         )
 
 
-def resolve_kda_mode(config, cp: int, kda_mode: str) -> str:
-    """The KDA mode that runs: "auto" is "ulysses" when the KDA heads divide by cp, else "state"."""
+def resolve_kda_mode(config, cp: int, kda_mode: str, *, tp: int = 1) -> str:
+    """The KDA mode that runs: "auto" is "ulysses" when the KDA heads (of a tp rank) divide by cp, else "state"."""
     if kda_mode != "auto":
         return kda_mode
-    return "ulysses" if config.kda.num_heads % cp == 0 else "state"
+    return "ulysses" if (config.kda.num_heads // tp) % cp == 0 else "state"
 
 
 def _gcd(a: int, b: int) -> int:

@@ -27,8 +27,9 @@ parameters keep their names (state-dict keys unchanged), the classes show in pri
 each forward calls the plain module's forward on the gathered input with this rank's parameter
 parts (genolong.parallel.tensor_plan says which). The model code is untouched.
 
-Not supported yet, refused with one line: tp together with cp; DSA o_proj biases; the DSA
-indexer's KL loss and recall probe (both need the attention of all heads).
+With cp as well, genolong.parallel.context_tensor runs the mixers on the cp shard. Not supported
+yet, refused with one line: DSA o_proj biases; the DSA indexer's KL loss and recall probe (both
+need the attention of all heads).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from genolong.model.kda import KimiDeltaAttention
 from genolong.model.mlp import DenseMLP
 from genolong.model.model import GenoLongModel
 from genolong.model.norms import RMSNorm
+from genolong.model.piece import SequencePiece
 from genolong.parallel.collectives import gather_along, gather_along_replicated, scatter_sum_along
 from genolong.parallel.tensor_plan import ensure_reduce_groups, slice_parameters
 
@@ -131,7 +133,9 @@ class SequenceShardedIndexer(Indexer):
     tp: _TPGroup
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, piece: SequencePiece | None = None) -> torch.Tensor:
+        """`piece`: x is a cp shard (tp with cp, genolong.parallel.context_tensor): the pooled keys
+        are gathered over tp, then over cp, and the selections are global positions."""
         mine = self.tp.shard(x.shape[1], f"layer {self.layer_idx} indexer")
         if (mine.stop - mine.start) % self.cfg.kpool:
             raise GenolongError(
@@ -139,6 +143,8 @@ class SequenceShardedIndexer(Indexer):
                 "use a sequence length that genolong.parallel.layout.required_multiple accepts"
             )
         pool_keys = gather_along(self.pool_keys(x[:, mine]), 1, self.tp.group)
+        if piece is not None:
+            pool_keys = piece.gather(pool_keys)
         index_q, head_weights = self.queries(x[:, mine], q_resid[:, mine])
         selected = ops.call(
             "dsa_indexer_topk",
@@ -150,7 +156,7 @@ class SequenceShardedIndexer(Indexer):
             topk_pools=self.cfg.topk_pools,
             always_select_tail=self.cfg.always_select_tail,
             softmax_scale=self.softmax_scale,
-            query_offset=mine.start,
+            query_offset=mine.start + (0 if piece is None else piece.offset),
         )
         return gather_along(selected, 1, self.tp.group)
 
@@ -219,8 +225,6 @@ def check_tensor_parallel(config, layout) -> None:
     """Raise a one-line GenolongError if `config` (a ModelConfig) cannot run at `layout`'s tp."""
     if layout.tp == 1:
         return
-    if layout.cp > 1:
-        raise GenolongError(f"--parallel {layout}: tp and cp together are not supported yet; use tp or cp (each composes with dp and ep)")
     for what, heads in (("KDA", config.kda.num_heads), ("DSA", config.dsa.num_heads)):
         if heads % layout.tp:
             raise GenolongError(f"--parallel tp={layout.tp}: the model's {heads} {what} heads do not split evenly; use a tp that divides {heads}")

@@ -119,13 +119,6 @@ def check_processes(options, config) -> None:
             f"--aux-loss-coeff {options.aux_loss_coeff} with --parallel {layout}: the sequence-wise balance loss is not "
             "computed over a sequence split by cp or tp yet; use --aux-loss-coeff 0 (the bias rule, --balance-rate, works at any layout)"
         )
-    if layout.fsdp > 1 and options.indexer_loss_coeff > 0:
-        # Measured: at fsdp=2 the warm-up step's indexer gradient came out zero (one process: 1.2e-3).
-        raise GenolongError(
-            f"--indexer-loss-coeff {options.indexer_loss_coeff} with --parallel {layout}: the indexer's KL loss runs its backward "
-            "outside the layers' FSDP hooks, so FSDP's sharded weights do not get its gradient yet; train the indexer with dp instead "
-            "of fsdp, or keep it frozen (--indexer-loss-coeff 0)"
-        )
     per_rank = options.batch // layout.data_parallel
     if per_rank % options.grad_accum:
         raise GenolongError(

@@ -88,7 +88,12 @@ def parallelize(model: torch.nn.Module, options, pmesh=None, *, kernels: str = o
         compiled = apply_compile(model, mhc=not on_gpu or kernels == ops.REFERENCE)
     grads = None
     if pmesh is not None and pmesh.layout.fsdp > 1:
-        _parallel_pass("fsdp", "apply_fsdp", f"fsdp={pmesh.layout.fsdp}")(model, pmesh)
+        from genolong.train.indexer import is_indexer_parameter
+
+        # A training indexer's gradient arrives outside FSDP's backward hooks (genolong.parallel.fsdp).
+        trains = getattr(options, "indexer_loss_coeff", 0.0) > 0
+        replicated = {p for name, p in model.named_parameters() if trains and is_indexer_parameter(name)}
+        _parallel_pass("fsdp", "apply_fsdp", f"fsdp={pmesh.layout.fsdp}")(model, pmesh, replicated=replicated)
     if pmesh is not None:
         from genolong.parallel.grad_sync import GradientSync
 

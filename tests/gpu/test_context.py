@@ -6,6 +6,8 @@
 - cp=2 (two GPUs): a 4-layer glm53-mini model at 16k tokens under the fused kernel policy, both
   KDA modes (the state mode on fla's CP kernels), against one process on one GPU: per-token
   losses, every gradient, the indexer's selections, and the audit naming the kernels that ran.
+- cp=2 x tp=2 (four GPUs): the same model and comparison with tp inside each cp shard
+  (genolong/parallel/context_tensor.py), both KDA modes.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def _model_run(model, inputs, targets, count) -> tuple:
 
     seen = {}
     for m in model.modules():
-        if type(m).__name__ in ("Indexer", "BalancedIndexer"):
+        if type(m).__name__ in ("Indexer", "BalancedIndexer", "SequenceShardedIndexer"):
             m.register_forward_hook(lambda mod, a, o: seen.setdefault(mod.layer_idx, o.detach().cpu().numpy()))
     per_token = chunked_token_loss(model.hidden_states(inputs), model.lm_head.weight, targets, 8192)
     (per_token.sum() / count).backward()
@@ -190,6 +192,60 @@ def _cp2_model(rank, world, kda_mode):
 def test_cp2_model_equals_one_gpu(kda_mode):
     out = run_nccl(_cp2_model, 2, kda_mode)[0]
     ref = out["ref"]
+    assert rel_rmse(out["losses"], ref["losses"]) < 1e-2
+    keys = sorted(ref["grads"])
+    flat = lambda grads: np.concatenate([grads[k].ravel() for k in keys])  # noqa: E731
+    assert rel_rmse(flat(out["grads"]), flat(ref["grads"])) < 3e-2
+    for layer, rows in ref["selections"].items():
+        assert same_set_rows(out["selections"][layer], rows).mean() > 0.95
+    if kda_mode == "state":
+        assert out["audit"]["kda_cp"] == "fla_cp_chunk_kda" and out["audit"]["kda_short_conv_cp"] == "fla_cp_causal_conv1d"
+    else:
+        assert out["audit"]["kda"] == "fla_chunk_kda" and "kda_cp" not in out["audit"]
+
+
+def _cp2_tp2_model(rank, world, kda_mode):
+    import genolong.kernels as kernels
+    from genolong.model import ops
+    from genolong.parallel.context import apply_context_parallel, gather_sequence, shard_batch
+    from genolong.parallel.layout import ParallelLayout
+    from genolong.parallel.mesh import build_mesh
+    from genolong.parallel.tensor import apply_tensor_parallel
+    from genolong.parallel.tensor_grads import reduce_gradients
+    from genolong.parallel.tensor_state import full_state_dict
+
+    kernels.load()
+    pmesh = build_mesh(ParallelLayout(cp=2, tp=2), "cuda")
+    group, cp = pmesh.group("cp"), pmesh.rank("cp")
+    inputs, targets = _batch()
+    out = {}
+    with ops.policy("fused"):
+        if rank == 0:
+            model = _model()
+            per_token, seen = _model_run(model, inputs, targets, targets.numel())
+            out["ref"] = {"losses": per_token.float().cpu().numpy(), "selections": seen,
+                          "grads": {n: p.grad.float().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None}}
+            del model
+        ops.reset_audit()
+        model = apply_context_parallel(apply_tensor_parallel(_model(), pmesh), pmesh, kda_mode=kda_mode)
+        mine = shard_batch(inputs, targets, targets >= 0, cp, 2)
+        per_token, seen = _model_run(model, mine[0], mine[1], targets.numel())
+        reduce_gradients(model, pmesh)
+        grads = full_state_dict({n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}, pmesh)
+        out["losses"] = gather_sequence(per_token, group).float().cpu().numpy()
+        out["selections"] = {k: gather_sequence(torch.from_numpy(v).cuda(), group).cpu().numpy() for k, v in sorted(seen.items())}
+        out["grads"] = {n: g.float().cpu().numpy() for n, g in grads.items()}
+        out["audit"] = {op: name for (_, op), name in ops.audit().items()}
+        out["repr"] = repr(model)
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+@pytest.mark.parametrize("kda_mode", ["state", "ulysses"])
+def test_cp2_tp2_model_equals_one_gpu(kda_mode):
+    out = run_nccl(_cp2_tp2_model, 4, kda_mode)[0]
+    ref = out["ref"]
+    assert "TensorContextParallelKDA" in out["repr"] and "TensorContextParallelDSA" in out["repr"]
     assert rel_rmse(out["losses"], ref["losses"]) < 1e-2
     keys = sorted(ref["grads"])
     flat = lambda grads: np.concatenate([grads[k].ravel() for k in keys])  # noqa: E731

@@ -123,15 +123,19 @@ def test_fsdp2_gradients_sharded_state_and_checkpoint_equal_one_process(tmp_path
         assert torch.equal(tensor, weights[name]), name
 
 
-def test_fsdp_with_the_indexer_loss_is_refused_before_anything_starts(data, tmp_path):
-    from genolong.errors import GenolongError
-    from genolong.model import get_preset
-    from genolong.train.distributed import check_processes
-
-    # (--launcher ray: the check that runs before any process is started)
-    options = _options(data, tmp_path / "x", seq_len=128, parallel="fsdp=2", indexer_loss_coeff=1.0, launcher="ray")
-    with pytest.raises(GenolongError, match="indexer's KL loss runs its backward outside the layers' FSDP hooks"):
-        check_processes(options, get_preset("tiny"))
+def test_fsdp2_trains_the_indexer_as_one_process_does(data, tmp_path):
+    """The indexer's parameters stay out of FSDP while it trains (genolong/parallel/fsdp.py): the
+    loop's dense warm-up step and the sparse step after it give one process's losses and norms."""
+    trained = {"seq_len": 128, "steps": 2, "indexer_loss_coeff": 1.0, "indexer_warmup_steps": 1}
+    single = train(_options(data, tmp_path / "single", **trained))
+    first, second = run_ranks(_train_rank, 2, _options(data, tmp_path / "fsdp2", parallel="fsdp=2", **trained).to_dict())[0]
+    # The warm-up's norm is the indexer's gradient alone (a lost one reads 0).
+    assert single[0]["grad_norm"] > 0 and math.isclose(first["grad_norm"], single[0]["grad_norm"], rel_tol=1e-5), (first, single[0])
+    assert math.isclose(first["indexer_loss"], single[0]["indexer_loss"], rel_tol=1e-5)
+    assert math.isclose(second["loss"], single[1]["loss"], rel_tol=1e-5), (second, single[1])
+    assert math.isclose(second["grad_norm"], single[1]["grad_norm"], rel_tol=1e-5)
+    # (a near-zero KL after Adam's sign-sized first step: its rounding shows more)
+    assert math.isclose(second["indexer_loss"], single[1]["indexer_loss"], rel_tol=1e-3)
 
 
 def test_fsdp_is_a_data_parallel_dimension_of_the_layout():

@@ -52,3 +52,33 @@ def test_leave_together_waits_for_the_slowest_rank_and_frees_the_mesh_groups(tmp
     # Every rank leaves only once rank 0 has written, with no group left to be freed at interpreter
     # exit (where a gloo group has aborted its process: genolong/parallel/mesh.py).
     assert run_ranks(_leave_after_rank0_writes, 2, str(tmp_path / "outputs")) == [(True, False, True)] * 2
+
+
+def _init_kwargs(monkeypatch, device_type, local_rank):
+    """The keyword arguments init_distributed hands to init_process_group as a torchrun rank."""
+    import genolong.parallel.mesh as mesh_module
+
+    calls = []
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(mesh_module.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(mesh_module.dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(mesh_module.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(mesh_module.torch.cuda, "set_device", lambda d: None)
+    assert mesh_module.init_distributed(device_type, timeout_s=60) == (local_rank, 4)
+    assert len(calls) == 1
+    return calls[0]
+
+
+def test_nccl_init_binds_the_group_to_the_local_rank_gpu(monkeypatch):
+    # Without device_id NCCL guesses each collective's device and warns that a wrong guess hangs.
+    kw = _init_kwargs(monkeypatch, "cuda", 3)
+    assert kw["backend"] == "nccl"
+    assert kw["device_id"] == torch.device("cuda", 3)
+    assert kw["timeout"].total_seconds() == 60
+
+
+def test_gloo_init_gets_no_device_id(monkeypatch):
+    kw = _init_kwargs(monkeypatch, "cpu", 1)
+    assert kw["backend"] == "gloo" and "device_id" not in kw

@@ -107,7 +107,6 @@ def test_slicing_a_meta_model_halves_the_split_parameters_only():
 @pytest.mark.parametrize(
     "layout, overrides, words",
     [
-        ("tp=2,cp=2", {}, "tp and cp together are not supported yet"),
         ("tp=4", {}, "2 KDA heads do not split evenly"),
         ("tp=2", {"dense_mlp": {"intermediate_size": 127}}, "dense MLP's 127 columns do not split evenly"),
         ("tp=2", {"dsa": {"attention_bias": True}}, "attention_bias is not supported"),
@@ -117,6 +116,22 @@ def test_tensor_parallel_refusals(layout, overrides, words):
     with pytest.raises(GenolongError, match=words) as err:
         check_tensor_parallel(get_preset("tiny", **overrides), parse_layout(layout))
     assert "\n" not in str(err.value)
+
+
+def test_tp_with_cp_is_accepted_and_ulysses_splits_a_tp_ranks_kda_heads():
+    from genolong.parallel.context import check_context_parallel
+    from genolong.parallel.layout import resolve_kda_mode
+
+    tiny, layout = get_preset("tiny"), parse_layout("tp=2,cp=2")
+    check_tensor_parallel(tiny, layout)
+    check_context_parallel(tiny, layout)
+    # tiny's 2 KDA heads leave one per tp rank: Ulysses cannot split it over cp, "auto" passes state.
+    with pytest.raises(GenolongError, match="the 1 KDA heads of a tp rank do not split evenly over 2 ranks") as err:
+        check_context_parallel(tiny, layout, kda_mode="ulysses")
+    assert "\n" not in str(err.value)
+    assert resolve_kda_mode(tiny, 2, "auto", tp=2) == "state" and resolve_kda_mode(tiny, 2, "auto") == "ulysses"
+    eight = get_preset("tiny", kda={"num_heads": 8, "head_dim": 8})
+    assert [resolve_kda_mode(eight, cp, "auto", tp=2) for cp in (2, 4, 8)] == ["ulysses", "ulysses", "state"]
 
 
 def test_expert_parallel_refusals():

@@ -284,10 +284,25 @@ def test_parallel_without_a_launcher_is_refused_before_anything_starts(data, tmp
     assert not (tmp_path / "run").exists()
     with pytest.raises(GenolongError, match=r"--grad-accum 2 does not divide"):
         train(_options(data, tmp_path / "run", parallel="dp=2", launcher="ray", grad_accum=2))
-    with pytest.raises(GenolongError, match=r"tp and cp together are not supported yet") as err:
-        train(_options(data, tmp_path / "run", seq_len=256, parallel="tp=2,cp=2", launcher="ray"))
-    assert "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # four processes on two cores
+def test_cp2_tp2_trains_what_one_process_trains_and_resumes_in_one_process(data, tmp_path):
+    """tp inside each cp shard (genolong/parallel/context_tensor.py) through the loop, recompute on:
+    one process's losses and norms, and its checkpoint (tp-split tensors, cp replicas) resumes in
+    one process with the uninterrupted run's next loss."""
+    fields = {"seq_len": 256, "batch": 1, "steps": 3}
+    single = train(_options(data, tmp_path / "single", **fields))
+    run = tmp_path / "cptp"
+    first = run_ranks(_train_rank, 4, _options(data, run, stop_after=2, parallel="cp=2,tp=2", **fields).to_dict())[0]
+    assert [r["tokens"] for r in first] == [256, 256] and [r["valid_tokens"] for r in first] == [r["valid_tokens"] for r in single[:2]]
+    assert _close([r["loss"] for r in first], [r["loss"] for r in single[:2]]), (first, single)
+    assert _close([r["grad_norm"] for r in first], [r["grad_norm"] for r in single[:2]], rtol=1e-4)
+    rest = train(load_run_options(run, progress=False, stop_after=None, parallel=None))
+    assert [r["step"] for r in rest] == [3]
+    assert _close([r["loss"] for r in rest], [single[2]["loss"]]), (rest, single)
+    assert len({r["loss"] for r in single}) == 3
 
 
 @pytest.mark.slow  # four processes on two cores: ~60 s
