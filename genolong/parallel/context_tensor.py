@@ -33,7 +33,7 @@ from genolong.errors import GenolongError
 from genolong.model.dsa import DSAAttention
 from genolong.model.kda import KimiDeltaAttention
 from genolong.parallel.collectives import gather_along, scatter_sum_along
-from genolong.parallel.context import ContextGroup
+from genolong.parallel.context_group import ContextGroup
 from genolong.parallel.context_kda import ContextParallelKDA
 from genolong.parallel.tensor import TensorParallelDSA, TensorParallelKDA
 
