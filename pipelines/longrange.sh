@@ -22,6 +22,9 @@
 #                 controls in the last bucket, the long model vs BASELINE (the own stage's model
 #                 unless set): the decisive number, so it runs first
 #   7 recall      eval-recall on the held-out chromosome: copies at several distances, null-aware
+# Times on one H100 (2026-12-06, the defaults, STEPS=12): copy 5 min (3 of them compiling) and its
+# check 22 s, widen 2.5 min, own 2.3 min, long 2.2 min (5.9 s a 512k step after 47 s compiling),
+# positional 3.3 min (4.75 s per window and model), recall 40 s: ~16.5 minutes from a fresh machine.
 # The comparison arm: the same stages with the indexer frozen at its initialisation (INDEXER_COEFF=0
 # in every stage: the oracle still teaches copying, but nothing teaches the indexer to find the
 # source), then the main arm's evaluation against it:
@@ -30,8 +33,8 @@
 # Settings (environment, defaults for one H200): ASSEMBLY (arenosa), FASTA / TRAIN / HOLDOUT, PRESET
 # (glm53-mini), LAYERS (8), COPY_SEQ (4k), COPY_BATCH (16), COPY_STEPS (600), COPY_TOPK (32), COPY_LR
 # (1e-3), WIDE_SEQ (32k), WIDE_BATCH (2), WIDE_STEPS (150), OWN_SEQ (64k), OWN_STEPS (100), SEQ (512k),
-# STEPS (20), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
-# (truncated,shuffled), CONTROLS_AT (late: the controls re-score the last bucket only; all), BASELINE (the positional baseline: a run or model directory), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: copy, widen, own,
+# STEPS (12), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
+# (truncated,shuffled), MUTATE (unset: exact planted copies; e.g. 0.05: diverged ones), CONTROLS_AT (late: the controls re-score the last bucket only; all), BASELINE (the positional baseline: a run or model directory), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: copy, widen, own,
 # long, positional, recall), MEMORY_FLAGS (memory flags of the short stages), FINETUNE_FLAGS (every
 # stage), TAG (longrange).
 set -euo pipefail
@@ -54,7 +57,7 @@ WIDE_STEPS=${WIDE_STEPS:-150}
 OWN_SEQ=${OWN_SEQ:-64k}
 OWN_STEPS=${OWN_STEPS:-100}
 SEQ=${SEQ:-512k}
-STEPS=${STEPS:-20}
+STEPS=${STEPS:-12}
 INDEXER_COEFF=${INDEXER_COEFF:-1}
 K=${K:-12}
 BUCKET=${BUCKET:-32k}
@@ -66,6 +69,7 @@ UNTIL=${UNTIL:-recall}
 MEMORY_FLAGS=${MEMORY_FLAGS:---no-recompute}
 FINETUNE_FLAGS=${FINETUNE_FLAGS:-}
 TAG=${TAG:-longrange}
+MUTATE=${MUTATE:-}
 BASELINE=${BASELINE:-}
 CONTROLS_AT=${CONTROLS_AT:-late}
 
@@ -76,10 +80,11 @@ RUNS=runs/$TAG
 done_if() { if [ "$UNTIL" = "$1" ]; then stage "done (UNTIL=$UNTIL)"; exit 0; fi; }
 # bases 4k -> 4096 (k = 1024, m = 1024k, as genolong reads lengths).
 bases() { local v=${1,,}; case $v in *k) echo $(( ${v%k} * 1024 ));; *m) echo $(( ${v%m} * 1048576 ));; *) echo "$v";; esac; }
-# Planted copies: 64 bases, up to three quarters of the window back, N per window.
+# Planted copies: 64 bases, up to three quarters of the window back, N per window, diverged from
+# their sources by MUTATE substitutions per base when set.
 # Warm-up steps: N, or a quarter of a short stage's steps (the CPU-sized variant).
 warm() { echo $(( $2 / 4 < $1 ? $2 / 4 : $1 )); }
-plant() { echo "len=64,max-dist=$(( $(bases "$1") * 3 / 4 )),per-window=$2"; }
+plant() { echo "len=64,max-dist=$(( $(bases "$1") * 3 / 4 )),per-window=$2${MUTATE:+,mutate=$MUTATE}"; }
 
 stage "1/7 prepare $FASTA -> $DATA"
 $G prepare --fasta "$FASTA" ${TRAIN:+--train "$TRAIN"} ${HOLDOUT:+--holdout "$HOLDOUT"} --out "$DATA" --reuse

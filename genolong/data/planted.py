@@ -17,7 +17,11 @@ Rules, the same for training and evaluation:
   soft-masking marks sequence families (a planted segmental duplication is not soft-masked by
   RepeatMasker either), so options that weight soft-masked bases treat both occurrences alike;
 - placement is a pure function of (seed, record, start, strand) of the window, so a resumed
-  run plants exactly what an uninterrupted one would, with no state of its own.
+  run plants exactly what an uninterrupted one would, with no state of its own;
+- `mutate=F` diverges each copy from its source: every base of the copy is, with probability F,
+  replaced by one of the three other bases (drawn after the placement, from the same window
+  generator), the way natural repeats (transposon copies, old duplications) differ from their
+  sources. The placement is the unmutated spec's.
 """
 
 from __future__ import annotations
@@ -69,11 +73,15 @@ class PlantSpec:
     min_distance: int | None = None  # None = length (the shortest distance with no self-overlap)
     distances: tuple[int, ...] = ()
     seed: int | None = None  # None = the run's seed
+    mutate: float = 0.0  # substitution rate of each copy against its source
 
     @classmethod
     def parse(cls, text: str) -> PlantSpec:
-        """`len=64,max-dist=48k,per-window=8[,min-dist=1k][,seed=3]` or `len=64,dist=1k/4k/16k,...`."""
-        keys = {"len": "length", "per-window": "per_window", "max-dist": "max_distance", "min-dist": "min_distance", "dist": "distances", "seed": "seed"}
+        """`len=64,max-dist=48k,per-window=8[,min-dist=1k][,seed=3][,mutate=0.05]` or `len=64,dist=1k/4k/16k,...`."""
+        keys = {
+            "len": "length", "per-window": "per_window", "max-dist": "max_distance", "min-dist": "min_distance",
+            "dist": "distances", "seed": "seed", "mutate": "mutate",
+        }
         fields: dict = {}
         for part in str(text).split(","):
             name, sep, value = part.strip().partition("=")
@@ -90,6 +98,11 @@ class PlantSpec:
                     fields["seed"] = int(value)
                 except ValueError:
                     raise GenolongError(f"--planted-repeats seed={value!r} is not an integer") from None
+            elif name == "mutate":
+                try:
+                    fields["mutate"] = float(value)
+                except ValueError:
+                    raise GenolongError(f"--planted-repeats mutate={value!r} is not a number; give a substitution rate such as 0.05") from None
             else:
                 fields[keys[name]] = parse_length(value, what)
         return cls(**fields).validate()
@@ -98,6 +111,9 @@ class PlantSpec:
         """Refuse specs that cannot work; with `window`, also those whose copies cannot fit in it."""
         if self.length < 1 or self.per_window < 1:
             raise GenolongError(f"--planted-repeats: len and per-window must be positive, got {self.length} and {self.per_window}")
+        if not 0.0 <= self.mutate < 0.75:
+            # 0.75 substitutions per base is what two unrelated sequences differ by: nothing left to copy.
+            raise GenolongError(f"--planted-repeats: mutate={self.mutate} is not a substitution rate in [0, 0.75); e.g. mutate=0.05")
         if bool(self.distances) == (self.max_distance is not None):
             raise GenolongError("--planted-repeats needs exactly one of max-dist=D (log-uniform distances) or dist=D1/D2/... (a list)")
         if self.distances and self.min_distance is not None:
@@ -135,6 +151,8 @@ class PlantSpec:
             parts += [f"min-dist={self.lowest_distance}", f"max-dist={self.max_distance}"]
         if self.seed is not None:
             parts.append(f"seed={self.seed}")
+        if self.mutate:
+            parts.append(f"mutate={self.mutate:g}")
         return ",".join(parts)
 
     def draw_distances(self, rng: np.random.Generator) -> list[int]:
@@ -185,9 +203,25 @@ def apply(tokens: np.ndarray, repeat_mask: np.ndarray, copies: Sequence[PlantedC
     return out, mask
 
 
-def plant_window(window: Window, distances: Sequence[int], length: int, rng: np.random.Generator) -> PlantedWindow:
+def diverge(tokens: np.ndarray, copies: Sequence[PlantedCopy], rate: float, rng: np.random.Generator) -> np.ndarray:
+    """The planted tokens with each base of every copy substituted, with probability `rate`, by one
+    of the three other bases (copies and sources hold no N, see `place`)."""
+    out = np.array(tokens, copy=True)
+    for c in copies:
+        hit = rng.random(c.length) < rate
+        shift = rng.integers(1, 4, size=c.length)  # 1-3: another base of A, C, G, T (ids 0-3)
+        span = out[c.dest : c.dest + c.length]
+        span[hit] = (span[hit] + shift[hit]) % 4
+    return out
+
+
+def plant_window(
+    window: Window, distances: Sequence[int], length: int, rng: np.random.Generator, mutate: float = 0.0
+) -> PlantedWindow:
     copies = place(window.tokens, distances, length, rng)
     tokens, mask = apply(window.tokens, window.repeat_mask, copies)
+    if mutate:
+        tokens = diverge(tokens, copies, mutate, rng)
     return PlantedWindow(tokens, mask, window.record, window.start, window.reverse, tuple(copies), window.tokens)
 
 
@@ -240,7 +274,7 @@ class PlantedRepeatSampler:
 
     def plant(self, window: Window) -> PlantedWindow:
         rng = window_rng(self.seed, window)
-        return plant_window(window, self.spec.draw_distances(rng), self.spec.length, rng)
+        return plant_window(window, self.spec.draw_distances(rng), self.spec.length, rng, self.spec.mutate)
 
     def __iter__(self) -> Iterator[PlantedWindow]:
         for window in self.base:

@@ -59,6 +59,9 @@ def test_spec_reads_writes_and_draws():
         ("len=64,max-dist=1k,per-window=0", "must be positive"),
         ("len=64,max-dist=1q", "not a token count"),
         ("len=64,dist=100,min-dist=80", "min-dist goes with max-dist"),
+        ("len=64,max-dist=1k,mutate=0.8", "not a substitution rate"),
+        ("len=64,max-dist=1k,mutate=-0.1", "not a substitution rate"),
+        ("len=64,max-dist=1k,mutate=few", "is not a number"),
     ],
 )
 def test_bad_specs_are_one_line_errors(text, fragment):
@@ -90,6 +93,32 @@ def test_copies_follow_the_rules():
     assert np.array_equal(planted.tokens, expected_tokens) and np.array_equal(planted.repeat_mask, expected_mask)
     assert planted.original is w.tokens and not np.shares_memory(planted.tokens, w.tokens)
     assert (planted.record, planted.start, planted.reverse) == (w.record, w.start, w.reverse)
+
+
+def test_diverged_copies_differ_from_their_sources_at_the_asked_rate():
+    """mutate=F: the same places as unmutated copies; every changed base of a copy is another of
+    A, C, G, T; the changed share over many copies is F within binomial noise; nothing outside the
+    copies changes; and the spec reads and writes the rate."""
+    spec = PlantSpec.parse("len=64,dist=200/900/2000,per-window=3,mutate=0.1")
+    assert spec.mutate == 0.1 and PlantSpec.parse(spec.describe()) == spec
+    assert "mutate" not in PlantSpec.parse("len=64,dist=200,per-window=1").describe()  # unchanged identity without it
+    changed = total = 0
+    for i in range(200):
+        w = _window(seed=i, n_runs=())
+        exact = plant_window(w, [200, 900, 2000], 64, window_rng(7, w))
+        diverged = plant_window(w, [200, 900, 2000], 64, window_rng(7, w), mutate=0.1)
+        assert diverged.copies == exact.copies
+        inside = np.zeros(len(w.tokens), bool)
+        for c in exact.copies:
+            inside[c.dest : c.dest + c.length] = True
+        assert np.array_equal(diverged.tokens[~inside], exact.tokens[~inside])
+        assert np.array_equal(diverged.repeat_mask, exact.repeat_mask)
+        differ = diverged.tokens[inside] != exact.tokens[inside]
+        assert diverged.tokens[inside].max() <= 3  # never an N
+        changed += int(differ.sum())
+        total += int(inside.sum())
+    # 200 windows x 3 copies x 64 bases = 38,400 draws: sd of the share ~0.0015.
+    assert total == 38400 and abs(changed / total - 0.1) < 0.008
 
 
 def test_placement_is_a_function_of_seed_and_window_only():
