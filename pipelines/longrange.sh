@@ -106,7 +106,7 @@ finetune_or_resume "$RUNS-widen" "$WIDE_STEPS" --model "$RUNS-copy/model" --seq 
 model_of "$RUNS-widen" "$WIDE_STEPS" "$RUNS-widen/model"
 done_if widen
 
-stage "4/7 own selection: $OWN_STEPS steps at $OWN_SEQ, no oracle, indexer trained -> $RUNS-own"
+stage "4/7 own selection: $OWN_STEPS steps at $OWN_SEQ, no oracle, indexer coefficient $INDEXER_COEFF -> $RUNS-own"
 finetune_or_resume "$RUNS-own" "$OWN_STEPS" --model "$RUNS-widen/model" --seq "$OWN_SEQ" --lr 3e-4 --warmup "$(warm 10 "$OWN_STEPS")" --save-every 50 \
     --indexer-loss-coeff "$INDEXER_COEFF" --planted-repeats "$(plant "$OWN_SEQ" 16)" $FINETUNE_FLAGS
 model_of "$RUNS-own" "$OWN_STEPS" "$RUNS-own/model"
