@@ -23,10 +23,11 @@ for stage in "$@"; do
   echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
   case $name in
     indexer) cmd="$B indexer --sizes 512k --extra 1M ${INDEXER_ARGS:-}" ;;
-    kdatest) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_kernels.py -k kda" ;;
-    gputests) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider -m gpu tests/gpu tests/train/test_memory.py" ;;
-    fastops) cmd="python3 -m pytest -q -rA -s -p no:cacheprovider tests/gpu/test_fastops.py" ;;
-    failing) cmd="python3 -m pytest -q --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
+    # Test stages name each test as it finishes (-v): a stage cut by its limit still says what passed.
+    kdatest) cmd="python3 -m pytest -v --durations=15 -rA -s -p no:cacheprovider tests/gpu/test_kernels.py -k kda" ;;
+    gputests) cmd="python3 -m pytest -v --durations=15 -rA -s -p no:cacheprovider -m gpu tests/gpu tests/train/test_memory.py" ;;
+    fastops) cmd="python3 -m pytest -v --durations=15 -rA -s -p no:cacheprovider tests/gpu/test_fastops.py" ;;
+    failing) cmd="python3 -m pytest -v --durations=15 --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
     profile128k) cmd="$B profile --data /tmp/bundled --seq 128k --warmup 2 ${PROFILE_ARGS:-}" ;;
     # 512k (an H200: ~104 GiB): one warm-up step (compilation, autotuning; ~135 s), then the profiled one (~27 s).
     profile512k) cmd="$B profile --data /tmp/bundled --seq 512k --warmup 1 ${PROFILE_ARGS:-}" ;;

@@ -61,9 +61,6 @@ from genolong.checkpoint_dir import (
     step_dir_name,
     step_of,
 )
-# Not used here: genolong.train.loop reaches these through this module (it could import them
-# from genolong.checkpoint_dir directly).
-from genolong.checkpoint_dir import capture_rng, load_trainer_state, restore_rng  # noqa: F401
 from genolong.errors import GenolongError
 from genolong.lifeline import uninterruptible
 

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from genolong import checkpoint_dir
 from genolong.errors import GenolongError
 from genolong.model import ops
 from genolong.parallel import checkpoint as dist_ckpt
@@ -455,7 +456,7 @@ RESUME_PERSISTED = ("steps", "save_every", "keep_last")
 
 def _record_resume_changes(run_dir: Path, options: TrainOptions, resume_from: Path) -> None:
     saved = json.loads((run_dir / ckpt_io.OPTIONS_FILE).read_text(encoding="utf-8"))
-    at = int(ckpt_io.load_trainer_state(resume_from)["step"])
+    at = int(checkpoint_dir.load_trainer_state(resume_from)["step"])
     if options.steps < at:
         raise GenolongError(f"--steps {options.steps} is below the step the run has reached ({at}); give --steps {at} or more")
     changed = {k: getattr(options, k) for k in RESUME_PERSISTED if saved.get(k) != getattr(options, k)}
@@ -514,7 +515,7 @@ def _build_model(spec: RunSpec, procs=None):
     sharded = _loads_sharded(procs)
     if resume_from is not None and dist_ckpt.is_distributed(resume_from):
         model = dist_ckpt.build_model(resume_from, dtype, "meta" if sharded else device)
-        ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
+        ids = checkpoint_dir.load_trainer_state(resume_from).get("dna_token_ids")
         dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
     elif resume_from is not None or options.model_path:
         source = resume_from / ckpt_io.MODEL_DIR if resume_from is not None else Path(options.model_path)
@@ -526,7 +527,7 @@ def _build_model(spec: RunSpec, procs=None):
         else:
             model = from_pretrained(source, dtype=dtype, device=device)
         if resume_from is not None:
-            ids = ckpt_io.load_trainer_state(resume_from).get("dna_token_ids")
+            ids = checkpoint_dir.load_trainer_state(resume_from).get("dna_token_ids")
             dna_map = torch.tensor(ids, dtype=torch.long) if ids is not None else None
         else:
             dna_map = dna_to_checkpoint_ids(source, vocab_size=model.config.vocab_size)
@@ -575,7 +576,7 @@ def _restore(ckpt: Path, model, optimizer, procs) -> dict:
         state = dist_ckpt.load(ckpt, model=model, optimizer=optimizer, pmesh=procs.pmesh)
         dist_ckpt.restore_rng(ckpt)
         return state
-    state = ckpt_io.load_trainer_state(ckpt)
+    state = checkpoint_dir.load_trainer_state(ckpt)
     saved = ckpt_io.load_optimizer_state(ckpt, procs.device)
     try:
         if procs.pmesh is not None and (procs.layout.tp > 1 or procs.layout.ep > 1 or procs.layout.fsdp > 1):
@@ -588,7 +589,7 @@ def _restore(ckpt: Path, model, optimizer, procs) -> dict:
         optimizer.load_state_dict(saved)
     except (KeyError, RuntimeError, GenolongError) as err:
         raise GenolongError(f"--resume {ckpt.parent.parent}: the optimizer state of {ckpt.name} does not match the model ({err})") from None
-    ckpt_io.restore_rng(state["rng"])
+    checkpoint_dir.restore_rng(state["rng"])
     return state
 
 
@@ -696,7 +697,7 @@ def _save(run_dir, step, model, optimizer, sampler, options, dna_map, nonfinite_
         "dna_token_ids": dna_map.tolist() if dna_map is not None else None,
     }
     if procs.pmesh is None:
-        ckpt_io.save(run_dir, step, write_model, optimizer.state_dict(), {**state, "rng": ckpt_io.capture_rng()}, options.keep_last)
+        ckpt_io.save(run_dir, step, write_model, optimizer.state_dict(), {**state, "rng": checkpoint_dir.capture_rng()}, options.keep_last)
         return
     state["layout"] = str(procs.layout)
     extra = {"tokenizer.json": tokenizer} if tokenizer is not None else None

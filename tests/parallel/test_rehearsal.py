@@ -13,12 +13,11 @@ experts' ep halves in 4). Compared with one process, fp32:
   per tensor);
 - the training loop's losses and gradient norms for two steps, its DCP checkpoint exported to one
   transformers checkpoint (the one-process weights after two steps) and resumed at another
-  layout, fsdp=2 x tp=2 (4 processes), with the uninterrupted run's third loss.
+  layout, fsdp=2 x cp=2 x tp=2 (8 processes), with the uninterrupted run's third loss.
 
 The indexer's top-k is the sequence length (selection is dense), so rounding cannot flip a
 near-tie selection between layouts (tests/parallel/test_context.py pins selections instead).
-tp together with cp is refused (docs/parallel.md), so 8 processes hold three of the four
-dimensions; the resume brings tp in.
+8 processes hold three of the four dimensions at 2: the first run has ep, the resume tp (with cp).
 """
 
 import json
@@ -42,7 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 SEQ = 128
 BATCH = 4  # one sequence per batch rank (dp x fsdp x ep = 4), each split over cp = 2
 LAYOUT = "fsdp=2,cp=2,ep=2"
-RESUME_LAYOUT = "fsdp=2,tp=2"
+RESUME_LAYOUT = "fsdp=2,cp=2,tp=2"
 FLASH_TOY = {
     "num_layers": 8,
     "hidden": 64,
@@ -174,7 +173,7 @@ def test_eight_processes_fsdp_cp_ep_equal_one_process_and_resume_at_fsdp_tp(chec
     for name, tensor in after_two.items():
         assert (exported[name] - tensor).norm() <= 0.05 * tensor.norm() + 1e-6, name
 
-    (third,) = run_ranks(_resume, 4, load_run_options(run, progress=False, stop_after=None, parallel=RESUME_LAYOUT).to_dict(),
+    (third,) = run_ranks(_resume, 8, load_run_options(run, progress=False, stop_after=None, parallel=RESUME_LAYOUT).to_dict(),
                          timeout=600)[0]
     assert third["step"] == 3 and _close([third["loss"]], [single[2]["loss"]]), (third, single[2])
     assert len({r["loss"] for r in single}) == 3
