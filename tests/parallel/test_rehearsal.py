@@ -38,7 +38,7 @@ from tests.train._helpers import prepared_genome, tiny_options
 # Eight gloo processes on a shared 2-core machine: ~2-4 minutes.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-SEQ = 128
+SEQ = 256  # cp x tp (the resume) needs whole 64-token KDA chunks on each of 2 x 2 ranks
 BATCH = 4  # one sequence per batch rank (dp x fsdp x ep = 4), each split over cp = 2
 LAYOUT = "fsdp=2,cp=2,ep=2"
 RESUME_LAYOUT = "fsdp=2,cp=2,tp=2"
@@ -122,7 +122,7 @@ def _close(a, b, rtol=2e-5):
     return all(math.isclose(x, y, rel_tol=rtol, abs_tol=1e-7) for x, y in zip(a, b, strict=True))
 
 
-def test_eight_processes_fsdp_cp_ep_equal_one_process_and_resume_at_fsdp_tp(checkpoint, tmp_path):
+def test_eight_processes_fsdp_cp_ep_equal_one_process_and_resume_at_fsdp_cp_tp(checkpoint, tmp_path):
     (tmp_path / "genome").mkdir()
     data = prepared_genome(tmp_path / "genome")
 
