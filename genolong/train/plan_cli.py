@@ -307,11 +307,11 @@ def _print_candidates(console: Console, config, seq_len: int, shown: list, total
     console.print(table)
     console.print(
         "seqs: sequences per step (one per data-parallel rank unless --batch); offl.: layers offloaded; comm s: at spec link "
-        "speeds, a ranking; runs today: what genolong does not run yet (tp+cp: tp with cp, cp: context parallelism)"
+        "speeds, a ranking; runs today: what genolong does not run yet (tp: tp at these widths, cp: context parallelism)"
     )
 
 
-_BLOCKER_SHORT = {"tp with cp": "tp+cp", "context parallelism": "cp", "FSDP": "fsdp", "optimizer state on host": "opt. on host"}
+_BLOCKER_SHORT = {"tp at these widths": "tp", "context parallelism": "cp", "FSDP": "fsdp", "optimizer state on host": "opt. on host"}
 
 
 def _short(layout) -> str:

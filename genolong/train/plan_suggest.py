@@ -48,7 +48,7 @@ def blockers(config: ModelConfig, setup: ParallelSetup) -> list[str]:
     try:
         check_tensor_parallel(config, lay)
     except GenolongError:
-        out.append("tp with cp")
+        out.append("tp at these widths")
     if lay.cp > 1 and importlib.util.find_spec("genolong.parallel.context") is None:
         out.append("context parallelism")
     if setup.sharded:
