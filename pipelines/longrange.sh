@@ -80,10 +80,10 @@ RUNS=runs/$TAG
 done_if() { if [ "$UNTIL" = "$1" ]; then stage "done (UNTIL=$UNTIL)"; exit 0; fi; }
 # bases 4k -> 4096 (k = 1024, m = 1024k, as genolong reads lengths).
 bases() { local v=${1,,}; case $v in *k) echo $(( ${v%k} * 1024 ));; *m) echo $(( ${v%m} * 1048576 ));; *) echo "$v";; esac; }
-# Planted copies: 64 bases, up to three quarters of the window back, N per window, diverged from
-# their sources by MUTATE substitutions per base when set.
 # Warm-up steps: N, or a quarter of a short stage's steps (the CPU-sized variant).
 warm() { echo $(( $2 / 4 < $1 ? $2 / 4 : $1 )); }
+# Planted copies: 64 bases, up to three quarters of the window back, N per window, diverged from
+# their sources by MUTATE substitutions per base when set.
 plant() { echo "len=64,max-dist=$(( $(bases "$1") * 3 / 4 )),per-window=$2${MUTATE:+,mutate=$MUTATE}"; }
 
 stage "1/7 prepare $FASTA -> $DATA"

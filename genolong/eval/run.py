@@ -188,8 +188,7 @@ def evaluate(
         "bucket": layout.bucket,
         "control_context": layout.control,
         "controls": list(layout.controls),
-        # Only when not the default, so that evaluations started before the option resume.
-        **({"controls_at": layout.controls_at} if layout.controls_at != "all" else {}),
+        "controls_at": layout.controls_at,
         "max_n_fraction": settings.max_n_fraction,
         "dtype": settings.dtype,
         "data": data_identity or {},

@@ -87,7 +87,6 @@ class SplitWindows:
     what the numbers depend on (the source genome and the split's records, not where the directory
     lives), for the partial results' fingerprint."""
 
-    records: list[tuple[str, int]]
     tiles: Callable[[], Iterable]
     identity: dict[str, Any]
 
@@ -110,4 +109,4 @@ def split_windows(
             f"(records: {', '.join(f'{n} {length:,} bp' for n, length in records)}): use a smaller --seq or a larger --max-n-fraction"
         )
     identity = {"sha256": pg.manifest.get("source", {}).get("sha256"), split: [list(r) for r in records]}
-    return SplitWindows(records, tiles, identity)
+    return SplitWindows(tiles, identity)

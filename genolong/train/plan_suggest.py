@@ -74,9 +74,7 @@ def layouts(config: ModelConfig, world: int, seq_len: int, *, batch: int | None 
                 sequences = batch if batch is not None else layout.data_parallel * grad_accum
                 try:
                     check_layout(layout, config, seq_len=seq_len, batch=sequences)
-                    # The widths tp must divide beyond the heads (dense MLP, shared expert), checked
-                    # without the tp-with-cp rule, which is a missing feature, not a wrong layout.
-                    check_tensor_parallel(config, ParallelLayout(tp=tp))
+                    check_tensor_parallel(config, layout)  # the widths tp must divide beyond the heads
                 except GenolongError:
                     continue
                 if sequences % (layout.data_parallel * grad_accum):

@@ -32,7 +32,6 @@ from genolong.train.plan_suggest import fewest_gpus
 from genolong.units import format_length
 
 
-
 def preflight(
     model_config: ModelConfig,
     seq_len: int,

@@ -214,7 +214,7 @@ def test_late_controls_rescore_the_last_bucket_only():
     assert layout.forward_tokens() == {"full": seq - 1, "truncated": 2 * (2 * c - 1), "shuffled": 223 + 255}
 
 
-def test_late_controls_when_the_last_bucket_starts_before_2c():
+def test_late_controls_off_the_c_grid_and_in_a_single_bucket():
     """The last bucket's blocks start at the bucket (here not on the C grid): target j in [100, 128)
     reads tokens [68, j) only. A single bucket: its targets before 2C keep the full-context loss (no
     context beyond their real one), as with every-bucket controls."""
