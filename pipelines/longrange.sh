@@ -34,7 +34,7 @@
 # (glm53-mini), LAYERS (8), COPY_SEQ (4k), COPY_BATCH (16), COPY_STEPS (600), COPY_TOPK (32), COPY_LR
 # (1e-3), WIDE_SEQ (32k), WIDE_BATCH (2), WIDE_STEPS (150), OWN_SEQ (64k), OWN_STEPS (100), SEQ (512k),
 # STEPS (12), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
-# (truncated,shuffled), MUTATE (unset: exact planted copies; e.g. 0.05: diverged ones), CONTROLS_AT (late: the controls re-score the last bucket only; all), BASELINE (the positional baseline: a run or model directory), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: copy, widen, own,
+# (truncated,shuffled), MUTATE (unset: exact planted copies; e.g. 0.05: diverged ones), CONTROLS_AT (late: the controls re-score the last bucket only; all), BASELINE (the positional baseline: a run or model directory), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: prepare, copy, widen, own,
 # long, positional, recall), MEMORY_FLAGS (memory flags of the short stages), FINETUNE_FLAGS (every
 # stage), TAG (longrange).
 set -euo pipefail
@@ -88,6 +88,7 @@ plant() { echo "len=64,max-dist=$(( $(bases "$1") * 3 / 4 )),per-window=$2${MUTA
 
 stage "1/7 prepare $FASTA -> $DATA"
 $G prepare --fasta "$FASTA" ${TRAIN:+--train "$TRAIN"} ${HOLDOUT:+--holdout "$HOLDOUT"} --out "$DATA" --reuse
+done_if prepare
 
 stage "2/7 copy: $PRESET ($LAYERS layers) from scratch, $COPY_STEPS steps of $COPY_BATCH x $COPY_SEQ, top-k $COPY_TOPK, oracle k=$K -> $RUNS-copy"
 finetune_or_resume "$RUNS-copy" "$COPY_STEPS" --preset "$PRESET" --layers "$LAYERS" --seq "$COPY_SEQ" --batch "$COPY_BATCH" \

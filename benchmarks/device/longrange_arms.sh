@@ -7,7 +7,8 @@
 # `genolong plan`) train side by side, each planning its memory for half of the GPU and of the
 # host's RAM; their 512k stages (~70 GiB each) always run one after the other on the whole GPU.
 # Restartable like the pipeline: the next call on a warm machine continues where this one stopped.
-# LONGRANGE_ENV: settings of both arms (e.g. "STEPS=12"); FROZEN_ENV: the comparison arm's
+# LONGRANGE_ENV: settings of both arms (e.g. "STEPS=12", or another assembly carried in .lrdata/:
+# "ASSEMBLY=lyrata FASTA=.lrdata/lyrata.fna.gz TRAIN=CM047395.1 HOLDOUT=CM047396.1"); FROZEN_ENV: the comparison arm's
 # (default "INDEXER_COEFF=0 TAG=longrange-frozen"; empty: no comparison arm, the positional
 # baseline is the trained arm's own-stage model).
 set -u
@@ -31,8 +32,7 @@ arm() {  # arm LOG SETTINGS...: the pipeline with these settings, interrupted (C
 report() { for f in "$OUT"/arm-*.log; do echo "--- $f"; grep -v TileLang "$f" | tail -n 30; done; }
 trap report EXIT
 # Both arms read one prepared genome: prepare it once, before they start.
-python3 -m genolong prepare --fasta .lrdata/arenosa.fna.gz --train LR999451.1 --holdout LR999452.1 --out data/arenosa --reuse \
-    >> "$OUT/arm-trained.log" 2>&1 || exit 1
+arm "$OUT/arm-trained.log" UNTIL=prepare || exit 1
 if [ -n "$FROZEN_ENV" ]; then
     if [ -n "$half" ]; then
         arm "$OUT/arm-frozen.log" "$FROZEN_ENV $half UNTIL=own" &
