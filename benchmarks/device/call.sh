@@ -5,15 +5,16 @@
 # The benchmark stages go through the runner (benchmarks/run.py): each appends one stamped row to
 # $OUT/rows.jsonl and leaves its files in $OUT/<benchmark>/<time>/.
 # Send .device/ (benchmarks/device/make-bundle.sh) with the tree: the GPU machine has no package index.
-# Kernel caches (Triton, TileLang) live in .kcache/ (git-ignored); they are packed into
-# $OUT/kcache.tar.xz at the end so a later call can carry them and skip recompilation.
+# Kernel caches (Triton, TileLang, and torch.compile's Inductor: most of a first step's minutes of
+# compilation) live in .kcache/ (git-ignored); they are packed into $OUT/kcache.tar.xz at the end
+# so a later call on a fresh machine can carry them (.kcache/kcache.tar.xz) and skip recompilation.
 # Budget a call as: prologue (~10-40 s: unpack caches, prepare the bundled genome) + the stages' limits
 # + packing (~10-20 s) <= the run's timeout: a call that overruns loses its files.
 set -u
 source .device/activate.sh
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-export TRITON_CACHE_DIR=$PWD/.kcache/triton TILELANG_CACHE_DIR=$PWD/.kcache/tilelang
-mkdir -p "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR" "$OUT"
+export TRITON_CACHE_DIR=$PWD/.kcache/triton TILELANG_CACHE_DIR=$PWD/.kcache/tilelang TORCHINDUCTOR_CACHE_DIR=$PWD/.kcache/inductor
+mkdir -p "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR" "$OUT"
 [ -f .kcache/kcache.tar.xz ] && tar -xJf .kcache/kcache.tar.xz -C .kcache && echo "kernel caches unpacked"
 [ -d /tmp/bundled ] || python3 -m genolong prepare --fasta bundled --out /tmp/bundled > "$OUT/prepare.txt" 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -72,4 +73,4 @@ done
 # The device returns a limited number of files: each stage's output directory comes back as one archive.
 for d in "$OUT"/*/; do [ -d "$d" ] && tar -czf "${d%/}.tar.gz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
 # NO_KCACHE=1 skips packing the kernel caches (~10-20 s) when a call is near its time limit.
-[ -n "${NO_KCACHE:-}" ] || { tar -cJf "$OUT/kcache.tar.xz" -C .kcache triton tilelang 2>/dev/null; ls -la "$OUT/kcache.tar.xz"; }
+[ -n "${NO_KCACHE:-}" ] || { tar -cJf "$OUT/kcache.tar.xz" -C .kcache triton tilelang inductor 2>/dev/null; ls -la "$OUT/kcache.tar.xz"; }
