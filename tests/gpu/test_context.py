@@ -156,6 +156,14 @@ def _model_run(model, inputs, targets, count) -> tuple:
     return per_token.detach(), seen
 
 
+def _one_gpu_reference(inputs, targets):
+    """Per-token losses, selections and gradients of the whole model on one GPU (rank 0's reference)."""
+    model = _model()
+    per_token, seen = _model_run(model, inputs, targets, targets.numel())
+    return {"losses": per_token.float().cpu().numpy(), "selections": seen,
+            "grads": {n: p.grad.float().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None}}
+
+
 def _cp2_model(rank, world, kda_mode):
     import genolong.kernels as kernels
     from genolong.model import ops
@@ -170,11 +178,7 @@ def _cp2_model(rank, world, kda_mode):
     out = {}
     with ops.policy("fused"):
         if rank == 0:
-            model = _model()
-            per_token, seen = _model_run(model, inputs, targets, targets.numel())
-            out["ref"] = {"losses": per_token.float().cpu().numpy(), "selections": seen,
-                          "grads": {n: p.grad.float().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None}}
-            del model
+            out["ref"] = _one_gpu_reference(inputs, targets)
         ops.reset_audit()
         model = apply_context_parallel(_model(), pmesh, kda_mode=kda_mode)
         mine = shard_batch(inputs, targets, targets >= 0, rank, world)
@@ -221,11 +225,7 @@ def _cp2_tp2_model(rank, world, kda_mode):
     out = {}
     with ops.policy("fused"):
         if rank == 0:
-            model = _model()
-            per_token, seen = _model_run(model, inputs, targets, targets.numel())
-            out["ref"] = {"losses": per_token.float().cpu().numpy(), "selections": seen,
-                          "grads": {n: p.grad.float().cpu().numpy() for n, p in model.named_parameters() if p.grad is not None}}
-            del model
+            out["ref"] = _one_gpu_reference(inputs, targets)
         ops.reset_audit()
         model = apply_context_parallel(apply_tensor_parallel(_model(), pmesh), pmesh, kda_mode=kda_mode)
         mine = shard_batch(inputs, targets, targets >= 0, cp, 2)
