@@ -72,5 +72,7 @@ for stage in "$@"; do
 done
 # The device returns a limited number of files: each stage's output directory comes back as one archive.
 for d in "$OUT"/*/; do [ -d "$d" ] && tar -czf "${d%/}.tar.gz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
+# fla's autotuning results (a few KiB; genolong/kernels/kda/configs is made from them) come back always.
+(cd .kcache/triton 2>/dev/null && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tar.gz" -T - 2>/dev/null)
 # NO_KCACHE=1 skips packing the kernel caches (~10-20 s) when a call is near its time limit.
 [ -n "${NO_KCACHE:-}" ] || { tar -cJf "$OUT/kcache.tar.xz" -C .kcache triton tilelang inductor 2>/dev/null; ls -la "$OUT/kcache.tar.xz"; }
