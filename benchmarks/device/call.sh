@@ -13,6 +13,8 @@
 set -u
 source .device/activate.sh
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# Every autotuned Triton kernel (fla's included) writes its choice beside its binaries; they come back below.
+export TRITON_CACHE_AUTOTUNING=1
 export TRITON_CACHE_DIR=$PWD/.kcache/triton TILELANG_CACHE_DIR=$PWD/.kcache/tilelang TORCHINDUCTOR_CACHE_DIR=$PWD/.kcache/inductor
 mkdir -p "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR" "$OUT"
 [ -f .kcache/kcache.tar.xz ] && tar -xJf .kcache/kcache.tar.xz -C .kcache && echo "kernel caches unpacked"
