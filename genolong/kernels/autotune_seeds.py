@@ -69,5 +69,10 @@ def seed_once() -> None:
     import torch
 
     if torch.cuda.is_available():
-        seed()
+        try:
+            seed()
+        except OSError as why:  # an unwritable cache costs the first step time, not the run
+            import warnings
+
+            warnings.warn(f"could not seed the Triton cache with genolong's autotuning choices ({why}); kernels will autotune")
     _seeded = True
