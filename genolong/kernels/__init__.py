@@ -59,6 +59,9 @@ def load() -> dict[str, list[str]]:
     for (op, impl), (module, fn) in REPLAYS.items():
         frames.register_replay(op, impl, getattr(importlib.import_module(module), fn))
     _use_fused_kept_selection()
+    from genolong.kernels.autotune_seeds import seed_once
+
+    seed_once()
     return {op: list(ops.implementations(op)) for op in FUSED}
 
 
