@@ -54,6 +54,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import measure  # noqa: E402
+from real_layers_plan import CELLS as PLAN_CELLS  # noqa: E402
+from real_layers_plan import compare, plan_cell  # noqa: E402
 
 import genolong.kernels as kernels  # noqa: E402
 from genolong.model import ops  # noqa: E402
@@ -65,10 +67,13 @@ from genolong.model.model import keeps_fp32  # noqa: E402
 from genolong.model.moe import MoE  # noqa: E402
 from genolong.model.presets import glm53_flash  # noqa: E402
 from genolong.train import flops  # noqa: E402
+from genolong.train.keep import KeptResults  # noqa: E402
+from genolong.train.recompute import checkpointed  # noqa: E402
 
 DEV = "cuda"
 SIZES = {"64k": 65536, "128k": 131072}
 K128 = 131072
+GIB = 1 << 30
 
 
 def init_(build) -> torch.nn.Module:
@@ -124,29 +129,107 @@ def sdpa(heads: int, dqk: int, dv: int, seq: int):
     return fwd, both, 3.5 * seq * seq * heads * (dqk + dv)
 
 
+@dataclasses.dataclass
+class Probe:
+    """What the recompute working set is measured on: `call(x)` (its output picked by `pick`), the
+    parameters whose gradients it makes, and whether the recompute keeps the DSA results."""
+
+    call: object
+    x: torch.Tensor
+    params: list
+    pick: object = None
+    keep: bool = False
+
+
+def recompute_working_set(probe: Probe) -> dict:
+    """The backward of `probe.call(x)` under the training's checkpoint (genolong.train.recompute;
+    with `keep`, the DSA results kept on the GPU as genolong.train.keep keeps them): peak allocated
+    above what is allocated after the checkpointed forward (weights, input, output, kept results), the
+    incoming gradient included. Weight gradients start as None, as after the loop's zero_grad, and
+    are subtracted: the plan counts them as static ("gradients"). Subtracting all of them assumes
+    the peak comes after the last one exists (a lower bound otherwise; the peak with them is kept)."""
+    pick = probe.pick or (lambda out: out)
+
+    def forward():
+        keep = KeptResults("device") if probe.keep else None
+        return pick(checkpointed(probe.call, probe.x, keep=keep))
+
+    def clear():
+        probe.x.grad = None
+        for p in probe.params:
+            p.grad = None
+
+    clear()
+    out = forward()  # warm-up: the recompute's kernels (the replays with keep) compile here
+    out.backward(torch.ones_like(out))
+    del out
+    clear()
+    torch.cuda.synchronize()
+    out = forward()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in probe.params if p.grad is not None)
+    del out
+    clear()
+    return {"recompute_peak_gib": round(peak / GIB, 3), "weight_grad_gib": round(grads / GIB, 3), "working_set": (peak - grads) / GIB}
+
+
+def calibration(seq: int, hidden: int) -> tuple[Probe, float]:
+    """A call whose recompute working set is known exactly: sigmoid over [seq, hidden] bf16 keeps its
+    output; its backward holds the incoming gradient, that output and the gradient it returns, 3 x
+    seq x hidden x 2 bytes. Measured otherwise, the method (not the plan) is wrong."""
+    x = torch.randn(seq, hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    return Probe(torch.sigmoid, x, []), 3 * seq * hidden * 2 / GIB
+
+
+def plan_row(name: str, seq: int, got: dict) -> dict:
+    """The row's fields: the measured working set beside the plan's figure (real_layers_plan.plan_cell)."""
+    plan = plan_cell(name, seq)
+    return {
+        "recompute_peak_gib": got["recompute_peak_gib"],
+        "weight_grad_gib": got["weight_grad_gib"],
+        **compare(got["working_set"], plan["gib"]),
+        "plan_terms_gib": {k: round(v / GIB, 3) for k, v in plan["terms"].items()},
+        "plan_items_gib": {k: round(v / GIB, 3) for k, v in plan["items"].items()},
+        "plan_transient": plan["transient"],
+        "plan_layout": plan["layout"],
+        "plan_tokens": plan["tokens"],
+    }
+
+
 class Run:
-    def __init__(self, out: Path, budget_s: float):
+    def __init__(self, out: Path, budget_s: float, plan: bool = True):
         self.rows: list[dict] = []
         self.log = (out / "real_layers.jsonl").open("a")
         self.start = time.monotonic()
         self.budget_s = budget_s
+        self.plan = plan  # measure the recompute working set beside `genolong plan`'s figure
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.start)
 
     def cell(self, name: str, size: str, make, reps: int):
-        """make() -> (fwd, fwd_bwd, flops or None); records one row (or why it did not run)."""
+        """make() -> (fwd, fwd_bwd, flops or None[, Probe]); records one row (or why it did not run).
+        With a Probe, a cell the plan has a figure for (real_layers_plan.CELLS) also gets its
+        recompute working set beside the plan's figure."""
         row = {"cell": name, "size": size}
         if self.left() < 10:
             row["not_run"] = "time budget"
         else:
             try:
-                fwd, both, work = make()
+                fwd, both, work, *probe = make()
                 fwd_ms, _ = measure(fwd, reps) if fwd is not None else (None, None)
                 ms, peak = measure(both, reps)
                 row.update(fwd_ms=None if fwd_ms is None else round(fwd_ms, 2), ms=round(ms, 2), peak_gib=round(peak, 2))
                 if work:
                     row.update(tflops=round(work / ms / 1e9, 1))
+                if probe and self.plan and name in PLAN_CELLS:
+                    del fwd, both  # (their closures hold nothing the probe does not)
+                    row.update(plan_row(name, SIZES[size], recompute_working_set(probe[0])))
             except torch.cuda.OutOfMemoryError as why:
                 row["not_run"] = "out of memory: " + str(why).splitlines()[0][:120]
             except Exception as why:  # a kernel that failed is a result too
@@ -159,6 +242,24 @@ class Run:
         print(json.dumps(row), f"[{self.left():.0f} s left]", flush=True)
         return row
 
+    def calibrate(self, size: str) -> dict:
+        """The measuring method on a call whose working set is known (`calibration`): one row."""
+        row = {"cell": "calibrate", "size": size}
+        try:
+            probe, exact = calibration(SIZES[size], 4096)
+            got = recompute_working_set(probe)
+            row.update(recompute_peak_gib=got["recompute_peak_gib"], **compare(got["working_set"], exact))
+            row["plan_gib_is"] = "exact: 3 x seq x 4096 x 2 bytes (sigmoid's input gradient, output, output gradient)"
+        except Exception as why:
+            row["not_run"] = f"{type(why).__name__}: {str(why)[:200]}"
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        self.rows.append(row)
+        self.log.write(json.dumps(row) + "\n")
+        self.log.flush()
+        print(json.dumps(row), flush=True)
+        return row
+
     def ms(self, name: str, size: str = "128k", key: str = "ms"):
         for r in self.rows:
             if r["cell"] == name and r["size"] == size and r.get(key) is not None:
@@ -166,7 +267,8 @@ class Run:
         return None
 
 
-def layer_cells(run: Run, size: str, reps: int, tp: int) -> None:
+def layer_cells(run: Run, size: str, reps: int, tp: int, plan_only: bool = False) -> None:
+    """The KDA and DSA layers at tp's heads; unless plan_only, their dense SDPA and the indexer cells too."""
     seq = SIZES[size]
     c = config(tp)
     heads = c.kda.num_heads
@@ -177,19 +279,23 @@ def layer_cells(run: Run, size: str, reps: int, tp: int) -> None:
         x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         f, b = fwd_bwd(layer, x, lambda o: o[0])
         attn, index = flops.dsa_forward(c, seq)
-        return f, b, 3 * attn + index
+        # Its recompute replays the kept selection and attention, as the training's default does.
+        return f, b, 3 * attn + index, Probe(layer, x, list(layer.parameters()), pick=lambda o: o[0], keep=True)
 
     run.cell(f"dsa{c.dsa.num_heads}", size, dsa, reps)
-    run.cell(f"sdpa-dsa{c.dsa.num_heads}", size,
-             lambda c=c: sdpa(c.dsa.num_heads, c.dsa.qk_head_dim, c.dsa.v_head_dim, seq), reps)
+    if not plan_only:
+        run.cell(f"sdpa-dsa{c.dsa.num_heads}", size,
+                 lambda c=c: sdpa(c.dsa.num_heads, c.dsa.qk_head_dim, c.dsa.v_head_dim, seq), reps)
 
     def kda(c=c):
         layer = init_(lambda: KimiDeltaAttention(c.hidden, c.kda, c.rms_eps, 0))
         x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         f, b = fwd_bwd(layer, x)
-        return f, b, 3 * flops.kda_forward(c, seq)
+        return f, b, 3 * flops.kda_forward(c, seq), Probe(layer, x, list(layer.parameters()))
 
     run.cell(f"kda{heads}", size, kda, reps)
+    if plan_only:
+        return
     run.cell(f"sdpa-kda{heads}", size, lambda c=c: sdpa(c.kda.num_heads, c.kda.head_dim, c.kda.head_dim, seq), reps)
 
     indexer_cell(run, size, reps, c)
@@ -237,7 +343,7 @@ def moe_cell(run: Run, size: str, reps: int, local_experts: int) -> None:
         block = init_(lambda: MoE(c.hidden, c.moe, 3))
         x = torch.randn(1, tokens, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         f, b = fwd_bwd(block, x)
-        return f, b, 3 * flops.mlp_forward(c, 3, tokens)
+        return f, b, 3 * flops.mlp_forward(c, 3, tokens), Probe(block, x, list(block.parameters()))
 
     run.cell(f"moe{local_experts}", size, moe, reps)
 
@@ -250,7 +356,7 @@ def mlp_cell(run: Run, size: str, reps: int) -> None:
         block = init_(lambda: DenseMLP(c.hidden, c.dense_mlp.intermediate_size, c.dense_mlp.swiglu_limit))
         x = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         f, b = fwd_bwd(block, x)
-        return f, b, 3 * flops.mlp_forward(c, 0, seq)
+        return f, b, 3 * flops.mlp_forward(c, 0, seq), Probe(block, x, list(block.parameters()))
 
     run.cell("mlp", size, mlp, reps)
 
@@ -269,12 +375,14 @@ def mhc_cells(run: Run, size: str, reps: int, compiled: bool) -> None:
         streams = torch.randn(1, seq, c.mhc.num_streams, c.hidden, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         out = torch.randn(1, seq, c.hidden, device=DEV, dtype=torch.bfloat16)
 
-        def fwd():
-            s = streams
+        def layer(s):
             for hc in hcs:  # the layer's two sublayers, the sublayer itself replaced by a fixed output
                 post, comb, x = hc(s)
                 s = hc.expand(post, comb, x * out, s)
             return s
+
+        def fwd():
+            return layer(streams)
 
         def both():
             streams.grad = None
@@ -282,7 +390,7 @@ def mhc_cells(run: Run, size: str, reps: int, compiled: bool) -> None:
             s.backward(torch.ones_like(s))
 
         both()  # compiles (when compiled) outside the timing
-        return fwd, both, 3 * flops.mhc_forward(c, seq)
+        return fwd, both, 3 * flops.mhc_forward(c, seq), Probe(layer, streams, [p for hc in hcs for p in hc.parameters()])
 
     run.cell("mhc compiled" if compiled else "mhc", size, mhc, reps)
 
@@ -316,6 +424,46 @@ def estimate(run: Run) -> list[str]:
     return lines
 
 
+GROUPS = ("tp8", "moe36", "mlp", "mhc", "tp1", "moe288", "indexers")
+# The cells of each group that `genolong plan` has a figure for (real_layers_plan.CELLS), in run order.
+GROUP_PLAN_CELLS = {"tp8": ("dsa8", "kda8"), "moe36": ("moe36",), "mlp": ("mlp",), "mhc": ("mhc",),
+                    "tp1": ("dsa64", "kda64"), "moe288": ("moe288",), "indexers": ()}
+
+
+def plan_table(rows: list[dict]) -> list[str]:
+    """The measured recompute working sets beside the plan's figures."""
+    lines = ["", "Recompute working set vs `genolong plan` (GiB; measured = peak of the checkpointed backward "
+             "above its forward, weight gradients out):",
+             f"{'cell':<10} {'size':>5} | {'plan':>7} | {'measured':>8} | {'meas/plan':>9} | {'within 10%':>10} | "
+             f"{'with w.grads':>12} | plan layout, tokens per GPU (shard / seq)"]
+    for r in rows:
+        if "plan_gib" not in r:
+            if r["cell"] in PLAN_CELLS or r["cell"] == "calibrate":
+                lines.append(f"{r['cell']:<10} {r['size']:>5} | not measured: {r.get('not_run', '')}")
+            continue
+        where = r.get("plan_layout", "exact (method check)")
+        tokens = r.get("plan_tokens")
+        if tokens:
+            where += f", {tokens['shard']} / {tokens['seq']}"
+        lines.append(f"{r['cell']:<10} {r['size']:>5} | {r['plan_gib']:>7.2f} | {r['measured_gib']:>8.2f} | "
+                     f"{r['measured_over_plan']:>9.3f} | {('yes' if r['within_10pct'] else 'NO'):>10} | "
+                     f"{r['recompute_peak_gib']:>12.2f} | {where}")
+    return lines
+
+
+def dry_run(groups: set[str], sizes: list[str]) -> None:
+    """No GPU: the plan's figure for every cell the arguments would compare (real_layers_plan)."""
+    print("dry run: the plan's figures only, nothing measured")
+    for size in sizes:
+        for group in GROUPS:
+            if group not in groups:
+                continue
+            for name in GROUP_PLAN_CELLS[group]:
+                plan = plan_cell(name, SIZES[size])
+                terms = ", ".join(f"{k} {v / GIB:.2f}" for k, v in plan["terms"].items())
+                print(f"{name:<8} {size:>5} plan {plan['gib']:7.2f} GiB ({terms}; {plan['layout']}, transient {plan['transient']})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/real_layers"))
@@ -325,34 +473,50 @@ def main() -> None:
     ap.add_argument("--groups", default="tp8,moe36,mlp,mhc,tp1,moe288",
                     help="which cell groups run, in this order's subset: tp8 (kda8, dsa8, SDPA, indexers), moe36, mlp, mhc, "
                          "tp1 (kda64, dsa64 and their SDPA), moe288, indexers (v2 and v1 selections at 32 and 4 heads)")
+    ap.add_argument("--plan-check", action="store_true",
+                    help="only the cells `genolong plan` has a figure for (no SDPA, indexer or compiled mHC cells), each with "
+                         "its recompute working set beside the plan's")
+    ap.add_argument("--no-plan", action="store_true", help="skip the recompute working-set measurement and the plan's figures")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: print the plan's figures for the cells the other arguments select")
     args = ap.parse_args()
     groups = {g.strip() for g in args.groups.split(",") if g.strip()}
-    unknown = groups - {"tp8", "moe36", "mlp", "mhc", "tp1", "moe288", "indexers"}
+    unknown = groups - set(GROUPS)
     if unknown:
         ap.error(f"unknown --groups {', '.join(sorted(unknown))}")
+    sizes = [s for s in args.sizes.split(",") if s]
+    bad = [s for s in sizes if s not in SIZES]
+    if bad:
+        ap.error(f"unknown --sizes {', '.join(bad)}: use {', '.join(SIZES)}")
+    if args.plan_check and args.no_plan:
+        ap.error("--plan-check measures against the plan: drop --no-plan")
+    if args.dry_run:
+        dry_run(groups, sizes)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     kernels.load()
     ops.use("fused")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {kernels.available()}", flush=True)
-    run = Run(args.out, args.budget_s)
-    for size in [s for s in args.sizes.split(",") if s]:
+    run = Run(args.out, args.budget_s, plan=not args.no_plan)
+    if run.plan:
+        run.calibrate(sizes[0])
+    for size in sizes:
         reps = 2 if SIZES[size] >= K128 else 3
         # What the 64-GPU estimate needs first (tp=8 shapes), then the whole model's heads.
         if "tp8" in groups:
-            layer_cells(run, size, reps, tp=8)
+            layer_cells(run, size, reps, tp=8, plan_only=args.plan_check)
         if "moe36" in groups:
             moe_cell(run, size, reps, local_experts=36)
         if "mlp" in groups:
             mlp_cell(run, size, reps)
         if "mhc" in groups:
             mhc_cells(run, size, reps, compiled=False)
-            if not args.no_compile:
+            if not args.no_compile and not args.plan_check:
                 mhc_cells(run, size, reps, compiled=True)
         if "tp1" in groups:
-            layer_cells(run, size, reps, tp=1)
+            layer_cells(run, size, reps, tp=1, plan_only=args.plan_check)
         if "moe288" in groups:
             moe_cell(run, size, reps, local_experts=288)
-        if "indexers" in groups:
+        if "indexers" in groups and not args.plan_check:
             indexer_versions(run, size, reps)
     print(f"\n{'cell':<14} {'size':>5} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | {'TFLOP/s':>7} | {'peak GiB':>8} | note")
     for r in run.rows:
@@ -360,6 +524,8 @@ def main() -> None:
         cols = ["-" if v is None else f"{v}" for v in cols]
         print(f"{r['cell']:<14} {r['size']:>5} | {cols[0]:>8} | {cols[1]:>10} | {cols[2]:>7} | {cols[3]:>8} | {r.get('not_run', '')}")
     lines = estimate(run)
+    if run.plan:
+        lines += plan_table(run.rows)
     print("\n".join(lines))
     (args.out / "estimate.txt").write_text("\n".join(lines) + "\n")
     print("kernel audit:", ops.audit_summary())
