@@ -425,6 +425,9 @@ def estimate(run: Run) -> list[str]:
 
 
 GROUPS = ("tp8", "moe36", "mlp", "mhc", "tp1", "moe288", "indexers")
+DEFAULT_GROUPS = "tp8,moe36,mlp,mhc,tp1,moe288"
+# The plan check's default: the slices one GPU of a 64-GPU run holds (moe288 at 128k does not fit an H100).
+PLAN_CHECK_GROUPS = "tp8,moe36,mlp,mhc"
 # The cells of each group that `genolong plan` has a figure for (real_layers_plan.CELLS), in run order.
 GROUP_PLAN_CELLS = {"tp8": ("dsa8", "kda8"), "moe36": ("moe36",), "mlp": ("mlp",), "mhc": ("mhc",),
                     "tp1": ("dsa64", "kda64"), "moe288": ("moe288",), "indexers": ()}
@@ -470,16 +473,18 @@ def main() -> None:
     ap.add_argument("--sizes", default="128k,64k", help="the first size gets every cell before the next starts")
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled mHC cell")
-    ap.add_argument("--groups", default="tp8,moe36,mlp,mhc,tp1,moe288",
+    ap.add_argument("--groups", default=None,
                     help="which cell groups run, in this order's subset: tp8 (kda8, dsa8, SDPA, indexers), moe36, mlp, mhc, "
-                         "tp1 (kda64, dsa64 and their SDPA), moe288, indexers (v2 and v1 selections at 32 and 4 heads)")
+                         "tp1 (kda64, dsa64 and their SDPA), moe288, indexers (v2 and v1 selections at 32 and 4 heads); "
+                         f"default {DEFAULT_GROUPS}, with --plan-check {PLAN_CHECK_GROUPS}")
     ap.add_argument("--plan-check", action="store_true",
                     help="only the cells `genolong plan` has a figure for (no SDPA, indexer or compiled mHC cells), each with "
                          "its recompute working set beside the plan's")
     ap.add_argument("--no-plan", action="store_true", help="skip the recompute working-set measurement and the plan's figures")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: print the plan's figures for the cells the other arguments select")
     args = ap.parse_args()
-    groups = {g.strip() for g in args.groups.split(",") if g.strip()}
+    chosen = args.groups if args.groups is not None else PLAN_CHECK_GROUPS if args.plan_check else DEFAULT_GROUPS
+    groups = {g.strip() for g in chosen.split(",") if g.strip()}
     unknown = groups - set(GROUPS)
     if unknown:
         ap.error(f"unknown --groups {', '.join(sorted(unknown))}")

@@ -154,3 +154,44 @@ def test_the_table_says_which_cells_are_off_by_more_than_ten_percent():
     assert "1.000" in mlp and "yes" in mlp
     assert any(line.startswith("dsa8") and "not measured: out of memory" in line for line in lines)
     assert not any(line.startswith("sdpa") for line in lines)
+
+
+def test_the_dsa_probe_replays_kept_results_and_subtracts_the_weight_gradients(monkeypatch):
+    # The GPU measurement's path on the CPU (reference ops) with the allocator's counters stubbed:
+    # the recompute takes the selection and attention from the forward, as the training's does,
+    # and the weight gradients it makes are taken out of the peak (the plan's static "gradients").
+    import torch
+
+    import bench_real_layers as bench
+    from genolong.model.dsa import DSAAttention
+    from genolong.model.presets import tiny
+    from genolong.train.keep import KeptResults
+
+    peak_above_base = 3 * GIB
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 5 * GIB)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5 * GIB + peak_above_base)
+    keepers = []
+
+    class Counted(KeptResults):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            keepers.append(self)
+
+    monkeypatch.setattr(bench, "KeptResults", Counted)
+    c = tiny()
+    torch.manual_seed(0)
+    layer = DSAAttention(c.hidden, c.dsa, c.rms_eps, c.layer_types.index("dsa"), has_indexer=True)
+    x = torch.randn(1, 256, c.hidden, requires_grad=True)
+    params = list(layer.parameters())
+    layer(x)[0].sum().backward()  # which weights a backward gives gradients (not the frozen indexer's)
+    grads = sum(p.numel() * 4 for p in params if p.grad is not None)  # fp32 on the CPU
+    assert 0 < grads < sum(p.numel() * 4 for p in params)
+    got = bench.recompute_working_set(bench.Probe(layer, x, params, pick=lambda o: o[0], keep=True))
+
+    assert len(keepers) == 2  # the warm-up and the measured call
+    assert all(k.where == "device" and k.stats.recorded == 2 and k.stats.replayed == 2 for k in keepers)
+    assert got["weight_grad_gib"] == round(grads / GIB, 3)
+    assert got["working_set"] == pytest.approx((peak_above_base - grads) / GIB)
+    assert x.grad is None and all(p.grad is None for p in params)  # nothing left for the next cell
