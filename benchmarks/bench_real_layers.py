@@ -26,6 +26,17 @@ fwd + bwd = 3.5 x T^2 H (Dqk + Dv) (forward T^2 H (Dqk + Dv) for the causal half
 after the time budget, is recorded as not run, with the reason. Results append to
 <out>/real_layers.jsonl as they are measured; the table and the estimate print last.
 
+Beside `genolong plan` (docs/parallel.md, "The per-layer figures against one GPU"): every cell the
+plan has a figure for (benchmarks/real_layers_plan.py: kda8/64, dsa8/64, mlp, moe36/288, mhc) runs
+once more under the training's checkpoint (the DSA layer with its results kept, as the training
+keeps them) and its row gets the recompute working set (`recompute_working_set`: peak allocated in
+that backward above what the checkpointed forward left allocated, weight gradients out) beside the
+plan's figure for the same shape, length and slice: plan_gib, measured_gib, measured_over_plan,
+within_10pct, and the plan's terms and items. A "calibrate" row measures a call whose working set
+is known exactly first. `--plan-check` runs only those cells (groups tp8, moe36, mlp, mhc unless
+--groups says otherwise: ~2-3 min on an H200 with cold kernel caches); `--dry-run` prints the
+plan's figures without a GPU; `--no-plan` skips the comparison.
+
 The per-GPU step estimate for one 1M-token sequence on 64 GPUs (cp = 8 x tp = 8, ep = 8 for the
 MoE) is compute only (no all-to-all, all-reduce or expert dispatch; perfect balance), with
 full-layer recompute (one more forward per layer):
