@@ -34,8 +34,9 @@ that backward above what the checkpointed forward left allocated, weight gradien
 plan's figure for the same shape, length and slice: plan_gib, measured_gib, measured_over_plan,
 within_10pct, and the plan's terms and items. A "calibrate" row measures a call whose working set
 is known exactly first. `--plan-check` runs only those cells (groups tp8, moe36, mlp, mhc unless
---groups says otherwise: ~2-3 min on an H200 with cold kernel caches); `--dry-run` prints the
-plan's figures without a GPU; `--no-plan` skips the comparison.
+--groups says otherwise; the tp=8 layers last, since without kernel caches fla's KDA autotuning
+took ~165 s for kda8 on the H200, 2026-12-02); `--dry-run` prints the plan's figures without a
+GPU; `--no-plan` skips the comparison.
 
 The per-GPU step estimate for one 1M-token sequence on 64 GPUs (cp = 8 x tp = 8, ep = 8 for the
 MoE) is compute only (no all-to-all, all-reduce or expert dispatch; perfect balance), with
@@ -439,6 +440,7 @@ GROUPS = ("tp8", "moe36", "mlp", "mhc", "tp1", "moe288", "indexers")
 DEFAULT_GROUPS = "tp8,moe36,mlp,mhc,tp1,moe288"
 # The plan check's default: the slices one GPU of a 64-GPU run holds (moe288 at 128k does not fit an H100).
 PLAN_CHECK_GROUPS = "tp8,moe36,mlp,mhc"
+PLAN_CHECK_ORDER = ("moe36", "mlp", "mhc", "tp8", "tp1", "moe288", "indexers")
 # The cells of each group that `genolong plan` has a figure for (real_layers_plan.CELLS), in run order.
 GROUP_PLAN_CELLS = {"tp8": ("dsa8", "kda8"), "moe36": ("moe36",), "mlp": ("mlp",), "mhc": ("mhc",),
                     "tp1": ("dsa64", "kda64"), "moe288": ("moe288",), "indexers": ()}
@@ -465,11 +467,17 @@ def plan_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def mhc_group(run: Run, size: str, reps: int, compiled: bool) -> None:
+    mhc_cells(run, size, reps, compiled=False)
+    if compiled:
+        mhc_cells(run, size, reps, compiled=True)
+
+
 def dry_run(groups: set[str], sizes: list[str]) -> None:
     """No GPU: the plan's figure for every cell the arguments would compare (real_layers_plan)."""
     print("dry run: the plan's figures only, nothing measured")
     for size in sizes:
-        for group in GROUPS:
+        for group in PLAN_CHECK_ORDER:
             if group not in groups:
                 continue
             for name in GROUP_PLAN_CELLS[group]:
@@ -515,25 +523,24 @@ def main() -> None:
     run = Run(args.out, args.budget_s, plan=not args.no_plan)
     if run.plan:
         run.calibrate(sizes[0])
+    run_group = {
+        "tp8": lambda size, reps: layer_cells(run, size, reps, tp=8, plan_only=args.plan_check),
+        "moe36": lambda size, reps: moe_cell(run, size, reps, local_experts=36),
+        "mlp": lambda size, reps: mlp_cell(run, size, reps),
+        "mhc": lambda size, reps: mhc_group(run, size, reps, compiled=not args.no_compile and not args.plan_check),
+        "tp1": lambda size, reps: layer_cells(run, size, reps, tp=1, plan_only=args.plan_check),
+        "moe288": lambda size, reps: moe_cell(run, size, reps, local_experts=288),
+        "indexers": lambda size, reps: None if args.plan_check else indexer_versions(run, size, reps),
+    }
+    # What the 64-GPU estimate needs first (tp=8 shapes), then the whole model's heads. The plan check
+    # runs the tp=8 layers last: on a machine without kernel caches fla's KDA autotuning takes minutes,
+    # and the cells before it should not wait for it.
+    order = PLAN_CHECK_ORDER if args.plan_check else GROUPS
     for size in sizes:
         reps = 2 if SIZES[size] >= K128 else 3
-        # What the 64-GPU estimate needs first (tp=8 shapes), then the whole model's heads.
-        if "tp8" in groups:
-            layer_cells(run, size, reps, tp=8, plan_only=args.plan_check)
-        if "moe36" in groups:
-            moe_cell(run, size, reps, local_experts=36)
-        if "mlp" in groups:
-            mlp_cell(run, size, reps)
-        if "mhc" in groups:
-            mhc_cells(run, size, reps, compiled=False)
-            if not args.no_compile and not args.plan_check:
-                mhc_cells(run, size, reps, compiled=True)
-        if "tp1" in groups:
-            layer_cells(run, size, reps, tp=1, plan_only=args.plan_check)
-        if "moe288" in groups:
-            moe_cell(run, size, reps, local_experts=288)
-        if "indexers" in groups and not args.plan_check:
-            indexer_versions(run, size, reps)
+        for group in order:
+            if group in groups:
+                run_group[group](size, reps)
     print(f"\n{'cell':<14} {'size':>5} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | {'TFLOP/s':>7} | {'peak GiB':>8} | note")
     for r in run.rows:
         cols = [r.get(k) for k in ("fwd_ms", "ms", "tflops", "peak_gib")]

@@ -128,7 +128,7 @@ def test_dry_run_prints_the_plan_for_the_check_cells_on_the_cpu():
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if " plan " in line]
-    assert [line.split()[0] for line in lines] == ["dsa8", "kda8", "moe36", "mlp", "mhc"]
+    assert [line.split()[0] for line in lines] == ["moe36", "mlp", "mhc", "dsa8", "kda8"]  # the run order
     kda = next(line for line in lines if line.startswith("kda8"))
     assert f"{plan_cell('kda8', K128)['gib']:7.2f} GiB" in kda
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_real_layers.py"), "--dry-run", "--sizes", "96k"],
