@@ -140,9 +140,11 @@ def test_the_table_says_which_cells_are_off_by_more_than_ten_percent():
     from bench_real_layers import plan_table
 
     rows = [
-        {"cell": "kda8", "size": "128k", "recompute_peak_gib": 13.6, **compare(13.5, 15.07), "plan_layout": "tp=8",
+        {"cell": "kda8", "size": "128k", "recompute_peak_gib": 13.6, "measured_upper_gib": 13.55, **compare(13.5, 15.07),
+         "plan_layout": "tp=8",
          "plan_tokens": {"shard": K128, "seq": K128 // 8}},
-        {"cell": "mlp", "size": "128k", "recompute_peak_gib": 6.6, **compare(6.5, 6.5), "plan_layout": "tp=8",
+        {"cell": "mlp", "size": "128k", "recompute_peak_gib": 6.6, "measured_upper_gib": 6.52, **compare(6.5, 6.5),
+         "plan_layout": "tp=8",
          "plan_tokens": {"shard": K128, "seq": K128 // 8}},
         {"cell": "dsa8", "size": "128k", "not_run": "out of memory: ..."},
         {"cell": "sdpa-kda8", "size": "128k", "ms": 1.0},
@@ -156,10 +158,11 @@ def test_the_table_says_which_cells_are_off_by_more_than_ten_percent():
     assert not any(line.startswith("sdpa") for line in lines)
 
 
-def test_the_dsa_probe_replays_kept_results_and_subtracts_the_weight_gradients(monkeypatch):
-    # The GPU measurement's path on the CPU (reference ops) with the allocator's counters stubbed:
-    # the recompute takes the selection and attention from the forward, as the training's does,
-    # and the weight gradients it makes are taken out of the peak (the plan's static "gradients").
+def test_the_dsa_probe_replays_kept_results_and_takes_out_the_weight_gradients(monkeypatch):
+    # The GPU measurement's path on the CPU (reference ops) with the allocator's counters stubbed
+    # as a backward whose working set is 3 GiB on top of the weight gradients made so far: the
+    # recompute takes the selection and attention from the forward, as the training's does, and the
+    # weight gradients (the plan's static "gradients") come out of the peak as they appear.
     import torch
 
     import bench_real_layers as bench
@@ -167,11 +170,23 @@ def test_the_dsa_probe_replays_kept_results_and_subtracts_the_weight_gradients(m
     from genolong.model.presets import tiny
     from genolong.train.keep import KeptResults
 
-    peak_above_base = 3 * GIB
+    c = tiny()
+    torch.manual_seed(0)
+    layer = DSAAttention(c.hidden, c.dsa, c.rms_eps, c.layer_types.index("dsa"), has_indexer=True)
+    x = torch.randn(1, 256, c.hidden, requires_grad=True)
+    params = list(layer.parameters())
+    layer(x)[0].sum().backward()  # which weights a backward gives gradients (not the frozen indexer's)
+    grads = sum(p.numel() * 4 for p in params if p.grad is not None)  # fp32 on the CPU
+    largest = max(p.numel() * 4 for p in params if p.grad is not None)
+    assert 0 < grads < sum(p.numel() * 4 for p in params)
+
+    def made():
+        return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 5 * GIB)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5 * GIB + peak_above_base)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5 * GIB + 3 * GIB + made())
     keepers = []
 
     class Counted(KeptResults):
@@ -180,18 +195,13 @@ def test_the_dsa_probe_replays_kept_results_and_subtracts_the_weight_gradients(m
             keepers.append(self)
 
     monkeypatch.setattr(bench, "KeptResults", Counted)
-    c = tiny()
-    torch.manual_seed(0)
-    layer = DSAAttention(c.hidden, c.dsa, c.rms_eps, c.layer_types.index("dsa"), has_indexer=True)
-    x = torch.randn(1, 256, c.hidden, requires_grad=True)
-    params = list(layer.parameters())
-    layer(x)[0].sum().backward()  # which weights a backward gives gradients (not the frozen indexer's)
-    grads = sum(p.numel() * 4 for p in params if p.grad is not None)  # fp32 on the CPU
-    assert 0 < grads < sum(p.numel() * 4 for p in params)
     got = bench.recompute_working_set(bench.Probe(layer, x, params, pick=lambda o: o[0], keep=True))
 
     assert len(keepers) == 2  # the warm-up and the measured call
     assert all(k.where == "device" and k.stats.recorded == 2 and k.stats.replayed == 2 for k in keepers)
     assert got["weight_grad_gib"] == round(grads / GIB, 3)
-    assert got["working_set"] == pytest.approx((peak_above_base - grads) / GIB)
+    assert got["working_set"] == pytest.approx(3.0)
+    # the bound that keeps an interval's new gradients in: at most the largest weight's more
+    assert 3.0 <= got["upper_gib"] <= round((3 * GIB + largest) / GIB, 3) + 1e-3
+    assert got["recompute_peak_gib"] == round((3 * GIB + grads) / GIB, 3)
     assert x.grad is None and all(p.grad is None for p in params)  # nothing left for the next cell
