@@ -32,7 +32,7 @@ head, Tc = S for what every tp rank holds.
 
 Cells the plan has no figure for: the dense SDPA cells (not part of the model), the indexer cells
 (forward-only selections: the plan's "indexer query chunk" transient) and "mhc compiled" (the same
-items as mhc; compared only in its eager form).
+items as mhc, whose uncompiled fused form is the one compared).
 """
 
 from __future__ import annotations
