@@ -40,7 +40,7 @@ for stage in "$@"; do
     # `genolong finetune` itself (its defaults: on the GPU the compile pass and the fused kernels), a few steps; its run files come back.
     finetune) cmd="python3 -m genolong finetune --data /tmp/bundled --seq ${FT_SEQ:-128k} --steps ${FT_STEPS:-4} --warmup 1 --out /tmp/ft --overwrite ${FT_ARGS:-}; rc=\$?; mkdir -p $OUT/finetune; cp /tmp/ft/*.json /tmp/ft/*.jsonl /tmp/ft/*.log $OUT/finetune/ 2>/dev/null; exit \$rc" ;;
     compile128k) cmd="$B compile --data /tmp/bundled --seq 128k" ;;
-    reallayers) cmd="$B real_layers --budget-s $(( limit - 40 )) ${REAL_ARGS:-}" ;;
+    reallayers) cmd="$B real_layers --budget-s $(( limit - 40 )) ${REAL_ARGS---plan-check}" ;;
     sparse) cmd="$B sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
     # mHC around a layer, eager vs the fused Triton passes, at glm53-mini's and GLM-5.3-Flash's width.
     mhc) cmd="$B mhc --budget-s $(( limit - 40 )) ${MHC_ARGS:-}" ;;
