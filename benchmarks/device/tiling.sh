@@ -92,7 +92,7 @@ start_sampler() {
 }
 
 # Stop the sub-run whose process is $1: SIGTERM (the CLI stops its worker at a safe point, finishing a
-# checkpoint being written), a second one 30 s later (abandons it), then SIGKILL for it and its children.
+# checkpoint being written), a second one at 2/3 of STOP_S (abandons it), then SIGKILL for it and its children.
 escalate() {
     local pid=$1 since=$2 kids=$3 now=$(date +%s)
     if [ $(( now - since )) -ge "$STOP_S" ]; then
@@ -165,7 +165,9 @@ run_one() {
     info "$dir" name "$name" command "$cmd" rc "$rc" wall_s "$(( $(date +%s) - t0 ))" limit_s "$limit" \
         stopped "${stopped:-exited}" date "$(date -u +%F)" gpu "$GPU"
     mkdir -p "$R/done"
-    if { [ "$name" = eval1m ] && [ "$rc" = 0 ]; } || { [ "$want" -gt 0 ] && [ "$got" -ge "$want" ] && { [ "$name" != 1m ] || [ "$rc" = 0 ]; }; }; then
+    # Finished: the steps it was for are recorded (a 1M run cut in its save leaves eval1m no checkpoint:
+    # TILING_REDO=1 TILING_RUNS="1m eval1m" runs both again).
+    if { [ "$name" = eval1m ] && [ "$rc" = 0 ]; } || { [ "$want" -gt 0 ] && [ "$got" -ge "$want" ]; }; then
         touch "$R/done/$name"
     fi
     [ "$name" != 1m ] && [ "$name" != eval1m ] && rm -rf "$run"  # the arms' runs are not needed again

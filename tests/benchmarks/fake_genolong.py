@@ -5,6 +5,7 @@ seconds. It writes the run files finetune writes, in their shapes, with made-up 
     FAKE_STEP_S   seconds a step takes (default 0.1)
     FAKE_SLOW     run names (--out basenames) whose steps after the first never end (cut by the limit)
     FAKE_REFUSE   "pinned": a 1M finetune without --host-budget-gib is refused as the pre-flight does
+    FAKE_SLOW_SAVE  set: the final checkpoint never finishes (a run cut in its save)
 """
 
 import json
@@ -49,6 +50,8 @@ def finetune(args: list[str]) -> int:
             if step == 1:
                 (out / "kernels.json").write_text(json.dumps({"kda": {"fla_chunk": 3}}))
                 (out / "memory.json").write_text(json.dumps({"offload_layers": [0, 1], "tile_tokens": tile_tokens, "keep_sparse": "host"}))
+    if os.environ.get("FAKE_SLOW_SAVE"):
+        time.sleep(1000)
     ckpt = out / "checkpoints" / f"step_{steps:08d}"
     ckpt.mkdir(parents=True)
     (ckpt / "COMPLETE").write_text("")

@@ -100,8 +100,12 @@ def test_the_stage_stops_cuts_retries_skips_and_collects(tmp_path):
 
 
 def test_a_sub_run_without_time_or_checkpoint_is_skipped_with_the_reason(tmp_path):
-    done = _stage(tmp_path, 8, "eval1m 512k-tiled", TILING_MIN_S="30")
+    # The 1M run is cut in its save: its three steps count (not run again), but there is nothing to evaluate.
+    done = _stage(tmp_path, 8, "1m eval1m 512k-tiled", TILING_MIN_S="3", FAKE_SLOW_SAVE="1")
     assert done.returncode == 0, done.stderr
+    one = _info(tmp_path, "1m")
+    assert one["stopped"].startswith("cut at its limit") and (tmp_path / "runs" / "done" / "1m").is_file()
+    assert len((tmp_path / "out" / "tiling" / "1m" / "metrics.jsonl").read_text().splitlines()) == 3
     assert _info(tmp_path, "eval1m")["stopped"] == "skipped: the 1m run has no complete checkpoint"
     assert _info(tmp_path, "512k-tiled")["stopped"].startswith("skipped: ") and "s left" in _info(tmp_path, "512k-tiled")["stopped"]
 
