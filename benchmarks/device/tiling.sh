@@ -9,7 +9,7 @@
 #   128k-whole  the same with --tile off
 #   eval1m      eval-positional --seq 1M on the 1m run's checkpoint, 2 windows, no controls
 # The four arms take ARM_STEPS (3) steps and are stopped in the step after (no checkpoint is written);
-# the first of each pair gets half of the time left, so that its partner runs too.
+# the first of each pair gets half of the time left (at least 240 s), so that its partner runs too.
 #   OUT=DIR bash benchmarks/device/tiling.sh SECONDS
 # Each sub-run leaves $OUT/tiling/NAME/: the run's small files (metrics.jsonl, options.json, plan.json,
 # memory.json, kernels.json, compile.json; eval: summary.txt, positional.json, partial.jsonl), run.log,
@@ -21,8 +21,8 @@
 # every finetune, FT1M_ARGS to the 1M one. The plan's 1M needs 100 GiB of pinned memory, 80% of a
 # 125 GiB machine: where the pre-flight refuses 1M for pinned host memory alone, it runs once more with
 # --host-budget-gib 101 (the refusal kept as refused.log). TILING_DRY=1 prints each sub-run's command and runs nothing;
-# GENOLONG (default `python3 -m genolong`), TILING_DATA / TILING_EVAL_DATA, TILING_MIN_S, TILING_STOP_S
-# and TILING_POLL_S are for the script's own test (tests/benchmarks/test_tiling_stage.py).
+# GENOLONG (default `python3 -m genolong`), TILING_DATA / TILING_EVAL_DATA, TILING_MIN_S, TILING_STOP_S,
+# TILING_PAIR_S and TILING_POLL_S are for the script's own test (tests/benchmarks/test_tiling_stage.py).
 # eval1m scores E. coli windows (the only record >= 1M of the bundled genome, which the 1m run trained
 # on) with that checkpoint as its own baseline: it measures that a 1M window scores, its time and memory.
 set -u
@@ -40,6 +40,7 @@ RUNS=${TILING_RUNS:-1m 512k-tiled 512k-whole 128k-tiled 128k-whole eval1m}
 MIN_S=${TILING_MIN_S:-60}  # no sub-run starts with less: a model build and a first step do not fit in less
 STOP_S=${TILING_STOP_S:-45}  # what stopping a sub-run may take (escalate): kept out of every limit
 POLL_S=${TILING_POLL_S:-2}
+PAIR_S=${TILING_PAIR_S:-240}  # a warm machine's 512k arm: ~20 s start, ~100-150 s first step, 2 x ~27 s
 FT="$G finetune"
 EXTRA=${TILING_ARGS:-}
 
@@ -67,12 +68,15 @@ fi
 left() { echo $(( deadline - $(date +%s) )); }
 records() { local n=0; [ -f "$1/metrics.jsonl" ] && n=$(grep -c '"step"' "$1/metrics.jsonl"); echo "${n:-0}"; }
 
-# The time a sub-run may take: all that is left, or half of it when its partner (same length) follows,
-# less what stopping it may take.
+# The time a sub-run may take, less what stopping it may take: all that is left, or, when its partner
+# (same length) follows, half of it but at least PAIR_S (one arm measured beats two arms cut).
 limit_for() {
-    local name=$1 rest=$2 n
+    local name=$1 rest=$2 n half
     n=$(left)
-    case " $rest " in *" ${name%%-*}-"*) n=$(( n / 2 )) ;; esac
+    case " $rest " in *" ${name%%-*}-"*)
+        half=$(( n / 2 ))
+        n=$(( half > PAIR_S ? half : (n < PAIR_S ? n : PAIR_S) )) ;;
+    esac
     echo $(( n - STOP_S ))
 }
 
