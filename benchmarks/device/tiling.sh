@@ -38,7 +38,7 @@ TILE_128K=${TILE_128K:-32k}
 ARM_STEPS=${ARM_STEPS:-3}
 RUNS=${TILING_RUNS:-1m 512k-tiled 512k-whole 128k-tiled 128k-whole eval1m}
 MIN_S=${TILING_MIN_S:-60}  # no sub-run starts with less: a model build and a first step do not fit in less
-STOP_S=${TILING_STOP_S:-45}  # what stopping a sub-run may take (escalate): kept out of every limit
+STOP_S=${TILING_STOP_S:-30}  # what stopping a sub-run may take (escalate): kept out of every limit
 POLL_S=${TILING_POLL_S:-2}
 PAIR_S=${TILING_PAIR_S:-240}  # a warm machine's 512k arm: ~20 s start, ~100-150 s first step, 2 x ~27 s
 FT="$G finetune"
@@ -147,7 +147,10 @@ run_one() {
                 stopped="cut at its limit of ${limit} s"
             fi
             if [ -n "$stopped" ]; then
-                collect "$run" "$dir"  # now: what finished comes back even if the stop outlasts the stage
+                # Now: what finished comes back even if the stop outlasts the stage.
+                collect "$run" "$dir"
+                info "$dir" name "$name" command "$cmd" rc "stopping" wall_s "$(( $(date +%s) - t0 ))" limit_s "$limit" \
+                    stopped "$stopped" date "$(date -u +%F)" gpu "$GPU"
                 kids=$(pgrep -P "$pid" | tr '\n' ' ')
                 kill -TERM "$pid" 2>/dev/null; since=$(date +%s)
             fi
