@@ -67,6 +67,8 @@ for stage in "$@"; do
       for r in runs/*/; do [ -f \$r/metrics.jsonl ] && cp \$r/metrics.jsonl $OUT/longrange/\$(basename \$r).jsonl; done; \
       mv $OUT/arm-*.log $OUT/longrange/ 2>/dev/null; \
       tar -C eval --exclude=markov.npz -cf $OUT/longrange/eval.tar . ; exit \$rc" ;;
+    # Sequence tiling through the CLI (benchmarks/device/tiling.sh): 1M for 3 steps, 512k and 128k tiled vs whole layers, eval-positional at 1M, each sub-run under its own share; restartable on a warm machine (TILING_RUNS picks).
+    tiling) cmd="OUT=$OUT bash benchmarks/device/tiling.sh $(( limit - 10 ))" ;;
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)

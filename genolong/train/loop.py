@@ -154,6 +154,7 @@ def _train(spec: RunSpec, procs: distributed.Processes) -> list[dict]:
     procs.barrier()
     if procs.main:
         _prepare_run_dir(run_dir, options, resume_from)
+        _write_plan(run_dir, spec.plan)
 
     _seed_everything(options.seed)
     sampler = open_sampler(options, *procs.coords("batch"))
@@ -246,6 +247,11 @@ def _train(spec: RunSpec, procs: distributed.Processes) -> list[dict]:
                 )
             done = step + 1
             if done == end or (options.save_every and done % options.save_every == 0):
+                if done == end:
+                    # The pinned pool is not needed again in this process, and the save copies the fp32 master
+                    # weights and moments (12 bytes a parameter) to host memory, serialised as much again:
+                    # at 1M the pool alone is ~100 GiB of the device machine's ~125 GiB of RAM.
+                    handle.release_host()
                 _save(run_dir, done, model, optimizer, sampler, options, dna_map, nonfinite_total, nonfinite_run, procs)
     finally:
         indexer.clear()
@@ -668,6 +674,16 @@ def _write_kernel_audit(run_dir: Path, policy: ops.KernelPolicy) -> None:
     (run_dir / "kernels.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if summary:
         log.info("kernels: %s", summary)
+
+
+def _write_plan(run_dir: Path, plan) -> None:
+    """The pre-flight's estimate this invocation runs under (bytes; with the tile and kept results that
+    `--tile auto` may have chosen), beside the measured peaks of metrics.jsonl: the plan-vs-measured
+    check needs both from the same run. None (a split layout: no one-GPU plan): nothing written."""
+    if plan is None:
+        return
+    saved = {**plan.as_dict(), "fits": plan.fits, "tile_tokens": plan.opts.tile_tokens, "keep_sparse": plan.opts.keep_sparse}
+    (run_dir / "plan.json").write_text(json.dumps(saved, indent=1) + "\n", encoding="utf-8")
 
 
 def _write_memory_setup(run_dir: Path, handle) -> None:

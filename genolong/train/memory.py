@@ -131,6 +131,13 @@ class MemoryHandle:
         if self.keep is not None:
             self.keep.reset_stats()
 
+    def release_host(self) -> None:
+        """Give the offload pool's host buffers back now (between steps every buffer is free; a next step
+        pins them again). Before a run's last checkpoint: the pool is up to ~100 GiB at 1M, and the save
+        copies the optimizer state to host memory."""
+        if self.offloader is not None:
+            self.offloader.release()
+
     def tile_tokens(self) -> int | None:
         """The tile length of the layers (genolong.train.tiling), None for whole layers."""
         tiled = [w.tile_tokens for w in self.recompute if isinstance(w, Tiled)]

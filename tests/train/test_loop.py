@@ -209,3 +209,40 @@ def test_hardware_flops_follow_the_micro_batch_the_moe_sees(data, tmp_path):
     chunked = step_flops(get_preset("tiny"), 200, recompute=True, chunked_loss=memory.chunked_loss, moe_recompute=True).scaled(2)
     assert chunked.hardware > plain.hardware
     assert logged == pytest.approx(plain.hardware / 1e12, rel=1e-6)
+
+
+def test_the_offload_pool_is_given_back_before_the_last_save_only(data, tmp_path, monkeypatch):
+    # The last save copies the optimizer state to host memory while, without this, the pool
+    # (~100 GiB at 1M) would still be held; periodic saves keep it (the next step needs it).
+    from genolong.train import memory as memory_mod
+    from genolong.train.options import MemoryOptions
+
+    events = []
+    release = memory_mod.MemoryHandle.release_host
+
+    def recorded_release(handle):
+        held = handle.reserved_bytes()
+        release(handle)
+        events.append(("release", held, handle.reserved_bytes()))
+
+    save = loop._save
+    monkeypatch.setattr(memory_mod.MemoryHandle, "release_host", recorded_release)
+    monkeypatch.setattr(loop, "_save", lambda run_dir, step, *a: (events.append(("save", step)), save(run_dir, step, *a)))
+    opts = tiny_options(data, tmp_path / "run", steps=2, seq_len=128, save_every=1, memory=MemoryOptions(offload=True, offload_layers=2))
+    loop.train(opts)
+    assert [e[0] for e in events] == ["save", "release", "save"]
+    _, held, after = events[1]
+    assert held > 0 and after == 0
+
+
+def test_the_run_directory_keeps_the_plan_it_started_under(data, tmp_path):
+    from genolong.train.options import MemoryOptions
+    from genolong.train.plan import estimate_cpu_memory
+    from genolong.train.resolve import model_config
+
+    opts = tiny_options(data, tmp_path / "run", steps=1, seq_len=256, memory=MemoryOptions(offload=False, tile_tokens=64))
+    loop.train(opts)
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    expected = estimate_cpu_memory(model_config(opts), 256, MemoryOptions(offload=False, tile_tokens=64))
+    assert plan["device"] == "cpu" and plan["fits"] is True and plan["tile_tokens"] == 64
+    assert plan["gpu"] == expected.gpu and plan["gpu_total"] == expected.gpu_total == sum(plan["gpu"].values())
