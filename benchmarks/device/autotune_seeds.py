@@ -12,7 +12,9 @@ used); an entry already in the file is replaced by the newer recording of the sa
 from __future__ import annotations
 
 import argparse
+import base64
 import json
+import re
 import sys
 import tarfile
 from pathlib import Path
@@ -21,17 +23,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from genolong.kernels.autotune_seeds import _KEY, _NAME, read  # noqa: E402
 
 
+_BASE32 = re.compile(r"[A-Z2-7]{52}")
+
+
+def _hex_key(directory: str) -> str:
+    """The cache key Triton hashed (64 hex digits) from its cache directory's name (the key's 32
+    bytes in base32, triton.runtime.cache._base32); a name that is neither is returned as it is."""
+    if _BASE32.fullmatch(directory):
+        return base64.b32decode(directory + "====").hex()
+    return directory
+
+
 def _recordings(source: Path):
     """(cache key, file name, text) of every autotuning file in a tarball or a Triton cache dir."""
     if source.is_dir():
         for p in sorted(source.glob("*/*.autotune.json")):
-            yield p.parent.name, p.name, p.read_text()
+            yield _hex_key(p.parent.name), p.name, p.read_text()
         return
     with tarfile.open(source) as tar:
         for m in sorted(tar.getmembers(), key=lambda m: m.name):
             parts = Path(m.name).parts
             if m.isfile() and len(parts) >= 2 and parts[-1].endswith(".autotune.json"):
-                yield parts[-2], parts[-1], tar.extractfile(m).read().decode()
+                yield _hex_key(parts[-2]), parts[-1], tar.extractfile(m).read().decode()
 
 
 def merge(sources: list[Path], into: Path) -> tuple[int, int]:
@@ -41,7 +54,7 @@ def merge(sources: list[Path], into: Path) -> tuple[int, int]:
     for source in sources:
         for key, name, text in _recordings(source):
             if not (_KEY.fullmatch(key) and _NAME.fullmatch(name)):
-                raise SystemExit(f"{source}: {key}/{name} is not a Triton autotuning file (<64 hex>/<kernel>.autotune.json)")
+                raise SystemExit(f"{source}: {key}/{name} is not a Triton autotuning file (<cache key>/<kernel>.autotune.json)")
             json.loads(text)  # a truncated recording stops here, before anything is written
             changed += entries.get((key, name)) != text
             entries[(key, name)] = text

@@ -72,7 +72,9 @@ for stage in "$@"; do
     *) echo "unknown stage $name"; continue ;;
   esac
   start=$(date +%s)
-  timeout "$limit" bash -c "$cmd" > "$OUT/$name.log" 2>&1
+  # Ctrl-C at the limit, not a kill: pytest then prints its summary (the failures so far with their
+  # tracebacks) and the benchmarks keep the rows they wrote; a stage that ignores it dies 20 s later.
+  timeout -s INT -k 20 "$limit" bash -c "$cmd" > "$OUT/$name.log" 2>&1
   echo "rc=$? $(( $(date +%s) - start ))s"; tail -n 25 "$OUT/$name.log"
 done
 # The device returns a limited number of files: each stage's output directory comes back as one archive.

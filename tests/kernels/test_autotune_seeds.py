@@ -3,6 +3,7 @@ them from a device call (benchmarks/device/autotune_seeds.py): recordings surviv
 byte for byte, land where Triton's own cache manager looks, never overwrite a machine's own
 choice, and malformed input is refused before anything is written."""
 
+import base64
 import io
 import json
 import subprocess
@@ -17,6 +18,11 @@ from genolong.kernels import autotune_seeds
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device" / "autotune_seeds.py"
 KEY_A, KEY_B = "a" * 64, "0123456789abcdef" * 4
+
+
+def _directory(key: str) -> str:
+    """Triton's cache directory name for a key (its 32 bytes in base32), written out here by hand."""
+    return base64.b32encode(bytes.fromhex(key)).decode().rstrip("=")
 
 
 def _recording(bv: int) -> str:
@@ -53,8 +59,8 @@ def test_recordings_round_trip_into_the_triton_cache(tmp_path, triton_cache):
     recorded = {KEY_A: ("chunk_fwd_kernel_h.autotune.json", _recording(32)),
                 KEY_B: ("causal_conv1d_fwd_kernel.autotune.json", _recording(64))}
     tarball = _tarball(tmp_path / "autotune.tar.gz", {
-        **{f"./{k}/{name}": text for k, (name, text) in recorded.items()},
-        f"./{KEY_A}/chunk_fwd_kernel_h.cubin": "binary, not a recording",
+        **{f"./{_directory(k)}/{name}": text for k, (name, text) in recorded.items()},
+        f"./{_directory(KEY_A)}/chunk_fwd_kernel_h.cubin": "binary, not a recording",
     })
     seeds = tmp_path / "seeds" / "hopper.json"
     done = _convert(tarball, "--into", seeds)
@@ -66,6 +72,7 @@ def test_recordings_round_trip_into_the_triton_cache(tmp_path, triton_cache):
     for key, (name, text) in recorded.items():
         found = get_cache_manager(key).get_file(name)  # the lookup Triton's autotuner makes
         assert found is not None and Path(found).read_text() == text
+        assert Path(found).parent.name == _directory(key)  # the directory the recording came from
     assert autotune_seeds.seed(seeds.parent) == 0  # already there
 
 
@@ -84,9 +91,9 @@ def test_a_machines_own_choice_is_kept(tmp_path, triton_cache):
 def test_merging_replaces_the_same_key_and_keeps_the_others(tmp_path):
     seeds = tmp_path / "hopper.json"
     name = "k.autotune.json"
-    assert _convert(_tarball(tmp_path / "a.tar.gz", {f"{KEY_A}/{name}": _recording(32), f"{KEY_B}/{name}": _recording(32)}),
+    assert _convert(_tarball(tmp_path / "a.tar.gz", {f"{_directory(KEY_A)}/{name}": _recording(32), f"{_directory(KEY_B)}/{name}": _recording(32)}),
                     "--into", seeds).returncode == 0
-    done = _convert(_tarball(tmp_path / "b.tar.gz", {f"{KEY_A}/{name}": _recording(64)}), "--into", seeds)
+    done = _convert(_tarball(tmp_path / "b.tar.gz", {f"{_directory(KEY_A)}/{name}": _recording(64)}), "--into", seeds)
     assert "2 autotuning choices (1 added or replaced)" in done.stdout
     by_key = {e["key"]: json.loads(e["content"]) for e in autotune_seeds.read(seeds)}
     assert by_key[KEY_A]["configs_timings"][0][0]["kwargs"] == {"BV": 64}
@@ -95,7 +102,7 @@ def test_merging_replaces_the_same_key_and_keeps_the_others(tmp_path):
 
 def test_a_truncated_recording_writes_nothing(tmp_path):
     seeds = tmp_path / "hopper.json"
-    done = _convert(_tarball(tmp_path / "bad.tar.gz", {f"{KEY_A}/k.autotune.json": _recording(32)[:40]}), "--into", seeds)
+    done = _convert(_tarball(tmp_path / "bad.tar.gz", {f"{_directory(KEY_A)}/k.autotune.json": _recording(32)[:40]}), "--into", seeds)
     assert done.returncode != 0 and not seeds.exists()
     done = _convert(tmp_path / "missing.tar.gz", "--into", seeds)
     assert done.returncode != 0 and "no such file" in done.stderr
