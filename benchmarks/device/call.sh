@@ -28,8 +28,8 @@ for stage in "$@"; do
     indexer) cmd="$B indexer --sizes 512k --extra 1M ${INDEXER_ARGS:-}" ;;
     # Test stages name each test as it finishes (-v): a stage cut by its limit still says what passed.
     kdatest) cmd="python3 -m pytest -v --durations=15 -rA -s -p no:cacheprovider tests/gpu/test_kernels.py -k kda" ;;
-    # The suite is mostly kernel compilation (CPU): GPU_WORKERS pytest processes (default 2; 1 = one
-    # process) share the GPU, one test file each at a time; their prints appear in the -rA summary.
+    # The suite is mostly kernel compilation (CPU): GPU_WORKERS pytest processes (default 2; 0 = all in
+    # pytest itself) share the GPU, one test file each at a time; their prints appear in the -rA summary.
     gputests) cmd="python3 -m pytest -v --durations=25 -rA -p no:cacheprovider -n ${GPU_WORKERS:-2} --dist loadfile -m gpu tests/gpu tests/train/test_memory.py" ;;
     fastops) cmd="python3 -m pytest -v --durations=15 -rA -s -p no:cacheprovider tests/gpu/test_fastops.py" ;;
     failing) cmd="python3 -m pytest -v --durations=15 --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
