@@ -271,12 +271,7 @@ class Run:
             except Exception as why:  # a kernel that failed is a result too
                 row["not_run"] = f"{type(why).__name__}: {str(why)[:200]}"
                 traceback.print_exc()
-        torch.cuda.empty_cache()
-        self.rows.append(row)
-        self.log.write(json.dumps(row) + "\n")
-        self.log.flush()
-        print(json.dumps(row), f"[{self.left():.0f} s left]", flush=True)
-        return row
+        return self._record(row)
 
     def calibrate(self, size: str) -> dict:
         """The measuring method on a call whose working set is known (`calibration`): one row."""
@@ -290,11 +285,15 @@ class Run:
         except Exception as why:
             row["not_run"] = f"{type(why).__name__}: {str(why)[:200]}"
             traceback.print_exc()
+        return self._record(row)
+
+    def _record(self, row: dict) -> dict:
+        """Keep one row: in memory, in the JSON-lines log at once (a cut run keeps it), on stdout."""
         torch.cuda.empty_cache()
         self.rows.append(row)
         self.log.write(json.dumps(row) + "\n")
         self.log.flush()
-        print(json.dumps(row), flush=True)
+        print(json.dumps(row), f"[{self.left():.0f} s left]", flush=True)
         return row
 
     def ms(self, name: str, size: str = "128k", key: str = "ms"):

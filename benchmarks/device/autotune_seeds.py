@@ -49,22 +49,24 @@ def _recordings(source: Path):
 
 def merge(sources: list[Path], into: Path) -> tuple[int, int]:
     """Merge the recordings into the seeds file `into`; returns (entries now, entries added or replaced)."""
-    entries = {(e["key"], e["file"]): e["content"] for e in read(into)} if into.exists() else {}
-    changed = 0
+    before = {(e["key"], e["file"]): e["content"] for e in read(into)} if into.exists() else {}
+    entries = dict(before)
     for source in sources:
         for key, name, text in _recordings(source):
             if not (_KEY.fullmatch(key) and _NAME.fullmatch(name)):
                 raise SystemExit(f"{source}: {key}/{name} is not a Triton autotuning file (<cache key>/<kernel>.autotune.json)")
             json.loads(text)  # a truncated recording stops here, before anything is written
-            changed += entries.get((key, name)) != text
             entries[(key, name)] = text
     out = {"entries": [{"key": k, "file": f, "content": entries[(k, f)]} for k, f in sorted(entries)]}
     into.parent.mkdir(parents=True, exist_ok=True)
     tmp = into.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    read(tmp)
-    tmp.replace(into)
-    return len(entries), changed
+    try:
+        tmp.write_text(json.dumps(out, indent=1) + "\n")
+        read(tmp)
+        tmp.replace(into)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(entries), sum(before.get(k) != text for k, text in entries.items())
 
 
 def main(argv=None) -> None:

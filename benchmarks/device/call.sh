@@ -29,8 +29,9 @@ for stage in "$@"; do
     # Test stages name each test as it finishes (-v): a stage cut by its limit still says what passed.
     kdatest) cmd="python3 -m pytest -v --durations=15 -rA -s -p no:cacheprovider tests/gpu/test_kernels.py -k kda" ;;
     # The suite is mostly kernel compilation (CPU): GPU_WORKERS pytest processes (default 2; 0 = all in
-    # pytest itself) share the GPU, one test file each at a time; their prints appear in the -rA summary.
-    gputests) cmd="python3 -m pytest -v --durations=25 -rA -p no:cacheprovider -n ${GPU_WORKERS:-2} --dist loadfile -m gpu tests/gpu tests/train/test_memory.py" ;;
+    # pytest itself) share the GPU; the tests that need tens of GiB (xdist_group "gpu_memory") all run on
+    # one worker, in turn, so two of them never meet. Their prints appear in the -rA summary.
+    gputests) cmd="python3 -m pytest -v --durations=25 -rA -p no:cacheprovider -n ${GPU_WORKERS:-2} --dist loadgroup -m gpu tests/gpu tests/train/test_memory.py" ;;
     fastops) cmd="python3 -m pytest -v --durations=15 -rA -s -p no:cacheprovider tests/gpu/test_fastops.py" ;;
     failing) cmd="python3 -m pytest -v --durations=15 --tb=short -rA -p no:cacheprovider ${TESTS:-tests/gpu}" ;;
     profile128k) cmd="$B profile --data /tmp/bundled --seq 128k --warmup 2 ${PROFILE_ARGS:-}" ;;
@@ -81,7 +82,7 @@ for stage in "$@"; do
 done
 # The device returns a limited number of files: each stage's output directory comes back as one archive.
 for d in "$OUT"/*/; do [ -d "$d" ] && tar -czf "${d%/}.tar.gz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
-# fla's autotuning results (a few KiB; genolong/kernels/kda/configs is made from them) come back always.
+# The autotuning results (a few KiB; genolong/kernels/autotuned/hopper.json is made from them) come back always.
 (cd .kcache/triton 2>/dev/null && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tar.gz" -T - 2>/dev/null)
 # NO_KCACHE=1 skips packing the kernel caches (~10-20 s) when a call is near its time limit.
 [ -n "${NO_KCACHE:-}" ] || { tar -cJf "$OUT/kcache.tar.xz" -C .kcache triton tilelang inductor 2>/dev/null; ls -la "$OUT/kcache.tar.xz"; }

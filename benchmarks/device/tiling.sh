@@ -130,14 +130,16 @@ run_one() {
         info "$dir" name "$name" command "$cmd" stopped "skipped: ${limit} s left"
         echo "$name: skipped (${limit} s left)"; return
     fi
-    [ "$name" = eval1m ] && { [ -d "$EVALDATA" ] || $G prepare --fasta bundled --train NC_001416.1 --holdout NC_008253.1 --out "$EVALDATA" > "$dir/prepare.log" 2>&1; }
+    # Prepared aside and moved into place: a cut prepare leaves nothing a later call would take as done.
+    [ "$name" = eval1m ] && { [ -d "$EVALDATA" ] || { rm -rf "$EVALDATA.part" && $G prepare --fasta bundled --train NC_001416.1 \
+        --holdout NC_008253.1 --out "$EVALDATA.part" > "$dir/prepare.log" 2>&1 && mv "$EVALDATA.part" "$EVALDATA"; }; }
     [ "$name" = 1m ] && rm -f "$R/done/eval1m"  # a new 1M checkpoint: evaluate it again
     echo "$name: limit ${limit} s: $cmd"
     start_sampler "$dir/samples.tsv"
     t0=$(date +%s)
     SECOND_SENT=""
     $cmd > "$dir/run.log" 2>&1 &
-    pid=$!
+    pid=$!; CHILD=$pid
     while kill -0 "$pid" 2>/dev/null; do
         sleep "$POLL_S"
         if [ -z "$stopped" ]; then
@@ -147,12 +149,13 @@ run_one() {
                 stopped="cut at its limit of ${limit} s"
             fi
             if [ -n "$stopped" ]; then
-                # Now: what finished comes back even if the stop outlasts the stage.
+                # Stop first (a step or a save must not slip in meanwhile), then what finished comes
+                # back at once, even if the stop outlasts the stage.
+                kids=$(pgrep -P "$pid" | tr '\n' ' ')
+                kill -TERM "$pid" 2>/dev/null; since=$(date +%s)
                 collect "$run" "$dir"
                 info "$dir" name "$name" command "$cmd" rc "stopping" wall_s "$(( $(date +%s) - t0 ))" limit_s "$limit" \
                     stopped "$stopped" date "$(date -u +%F)" gpu "$GPU"
-                kids=$(pgrep -P "$pid" | tr '\n' ' ')
-                kill -TERM "$pid" 2>/dev/null; since=$(date +%s)
             fi
         else
             escalate "$pid" "$since" "$kids"
@@ -182,12 +185,27 @@ run_one() {
     tail -n 4 "$dir/run.log"
 }
 
+# Stopped from outside (call.sh's limit sends SIGINT, which the background sub-run ignores): stop the
+# sub-run too, within the 20 s before call.sh's SIGKILL, so that nothing keeps the GPU after the stage.
+CHILD=""; SAMPLER=""
+on_signal() {
+    if [ -n "$CHILD" ] && kill -0 "$CHILD" 2>/dev/null; then
+        local kids; kids=$(pgrep -P "$CHILD" | tr '\n' ' ')
+        kill -TERM "$CHILD" 2>/dev/null
+        for _ in $(seq 15); do kill -0 "$CHILD" 2>/dev/null || break; sleep 1; done
+        kill -KILL "$CHILD" $kids 2>/dev/null
+    fi
+    [ -n "$SAMPLER" ] && kill "$SAMPLER" 2>/dev/null
+    exit 130
+}
+trap on_signal INT TERM
+
 mkdir -p "$D" "$R"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; free -g; df -h /tmp; } > "$D/machine.txt" 2>&1
 queue=" $RUNS "
 for name in $RUNS; do
-    queue=${queue#* "$name" }
+    queue=" ${queue#* "$name" }"
     run_one "$name" "$queue"
     if [ "$name" = 1m ] && [ -z "${FT1M_ARGS:-}" ] && [ "$(records "$R/1m")" = 0 ] \
         && grep -q "pinned host memory short" "$D/1m/run.log" 2>/dev/null && ! grep -q "GPU memory short" "$D/1m/run.log"; then

@@ -1,4 +1,5 @@
-"""Autotuning choices shipped with genolong, so a fresh GPU machine does not time every candidate.
+"""Autotuning choices shipped with genolong: on a fresh GPU machine, the kernels at the shapes they
+were recorded for compile only their chosen configuration instead of timing every candidate.
 
 fla's KDA kernels (and any other `triton.autotune` kernel) compile and time every candidate
 configuration at their first launch on a machine, for each tuning key (head counts, head dims,

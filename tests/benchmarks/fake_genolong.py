@@ -3,6 +3,8 @@ control flow (limits, stops, skips, the refusal retry, the files it collects) ru
 seconds. It writes the run files finetune writes, in their shapes, with made-up numbers.
 
     FAKE_STEP_S   seconds a step takes (default 0.1)
+    FAKE_FINAL_STEP_S  seconds the last step takes (default FAKE_STEP_S): a stop in the step after the
+                  last one counted must land before it ends, however loaded the machine
     FAKE_SLOW     run names (--out basenames) whose steps after the first never end (cut by the limit)
     FAKE_REFUSE   "pinned": a 1M finetune without --host-budget-gib is refused as the pre-flight does
     FAKE_SLOW_SAVE  set: the final checkpoint never finishes (a run cut in its save)
@@ -43,7 +45,11 @@ def finetune(args: list[str]) -> int:
     slow = out.name in os.environ.get("FAKE_SLOW", "").split(",")
     with open(out / "metrics.jsonl", "w") as log:
         for step in range(1, steps + 1):
-            pause = 1000.0 if slow and step > 1 else float(os.environ.get("FAKE_STEP_S", "0.1"))
+            pause = float(os.environ.get("FAKE_STEP_S", "0.1"))
+            if step == steps:
+                pause = float(os.environ.get("FAKE_FINAL_STEP_S", pause))
+            if slow and step > 1:
+                pause = 1000.0
             time.sleep(pause)
             log.write(json.dumps(_record(step, pause)) + "\n")
             log.flush()

@@ -60,7 +60,7 @@ def test_the_finetune_commands_plan_to_fit_one_h200():
 def _stage(tmp_path, budget, runs, **env):
     env = {**os.environ, "GENOLONG": f"{sys.executable} {FAKE}", "OUT": str(tmp_path / "out"), "TILING_DIR": str(tmp_path / "runs"),
            "TILING_DATA": str(tmp_path / "data"), "TILING_EVAL_DATA": str(tmp_path / "evaldata"), "TILING_MIN_S": "1",
-           "TILING_STOP_S": "2", "TILING_POLL_S": "0.1", "TILING_PAIR_S": "4", "TILING_RUNS": runs, "FAKE_STEP_S": "0.3", **env}
+           "TILING_STOP_S": "2", "TILING_POLL_S": "0.1", "TILING_PAIR_S": "4", "TILING_RUNS": runs, "FAKE_STEP_S": "0.3", "FAKE_FINAL_STEP_S": "3", **env}
     return subprocess.run(["bash", str(STAGE), str(budget)], env=env, capture_output=True, text=True, timeout=budget + 60)
 
 
@@ -85,8 +85,10 @@ def test_the_stage_stops_cuts_retries_skips_and_collects(tmp_path):
     assert len((out / "512k-tiled" / "metrics.jsonl").read_text().splitlines()) == 3
     whole = _info(tmp_path, "512k-whole")
     assert whole["stopped"].startswith("cut at its limit") and len((out / "512k-whole" / "metrics.jsonl").read_text().splitlines()) == 1
-    # the first of a pair had at most half of what was left (20 s at the start), less the stop's 2 s
+    # the first of a pair had at most half of what was left (20 s at the start), less the stop's 2 s;
+    # its partner, the last of the pair, all that was left
     assert 1 <= int(tiled["limit_s"]) <= 20 // 2 - 2
+    assert int(whole["limit_s"]) > int(tiled["limit_s"])
     assert sorted(p.name for p in (runs / "done").iterdir()) == ["1m", "512k-tiled", "eval1m"]
     assert not (runs / "512k-tiled").exists() and not (runs / "512k-whole").exists()  # the arms' runs are deleted
     table = summary.rows(summary.load(tmp_path / "out"))

@@ -39,6 +39,7 @@ def test_indexer_v2_selection_identical_to_reference(heads):
     assert key_chunk_rows(rows, torch.tensor([0, 4096, seq], dtype=torch.int32, device=DEV))[0] is rows
 
 
+@pytest.mark.xdist_group("gpu_memory")  # the 98k reference's score chunks: never beside another large test
 @pytest.mark.parametrize("name", ["triton_fused_select", "triton_two_pass"])
 def test_indexer_selections_past_64k_equal_the_reference(name):
     # Past 64k tokens a query sees more than 512 super-groups (G 4, 8 a super-group), so each of v2's

@@ -75,7 +75,7 @@ def _near_ties_only(got, ref, q, keys, w, kw, rel=1e-5):
         top = s.topk(kw["topk_pools"])
         kth, kth_size = top.values[-1].item(), size[top.indices[-1]].item()
         diff = {x // kw["kpool"] for x in got_sets[i] ^ ref_sets[i]}
-        worst = max(abs(s[p].item() - kth) / max(size[p].item(), kth_size) for p in diff)
+        worst = max(abs(s[p].item() - kth) / max(size[p].item(), kth_size, 1e-30) for p in diff)
         if worst > rel:
             far.append((i, worst, len(diff)))
     if far:

@@ -97,6 +97,7 @@ def test_registered_first_and_returns_lse():
     assert torch.isneginf(lse[0, 7]).all() and (out[0, 7] == 0).all()
 
 
+@pytest.mark.xdist_group("gpu_memory")  # 1M tokens: never beside another large test on the shared GPU
 @pytest.mark.parametrize("key_chunk", [None, sparse_mla.KEY_CHUNK], ids=lambda c: "one-pass" if c is None else f"chunks-{c}")
 def test_one_million_tokens_64_bit_offsets(key_chunk):
     # Random pool-structured selections below each query (512 pools of 4, duplicates allowed);

@@ -12,7 +12,8 @@ import torch
 import genolong.kernels as kernels
 from genolong.model import ops
 
-pytestmark = pytest.mark.gpu
+# Tens of GiB each at 128k: call.sh's two GPU workers run every "gpu_memory" test on one worker, in turn.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory")]
 DEV = "cuda"
 T = 16384
 
