@@ -55,12 +55,13 @@ class CompileHandle:
     _start: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> dict:
-        """What was compiled, and dynamo's counters since `apply_compile` (graphs, breaks, recompiles)."""
+        """What was compiled, and dynamo's counters since `apply_compile` (graphs, breaks, recompiles,
+        seconds spent compiling)."""
         now = _dynamo_counters()
         return {
             "modules": dict(self.counts),
             "sinkhorn": self.sinkhorn,
-            **{k: now[k] - self._start.get(k, 0) for k in now},
+            **{k: round(now[k] - self._start.get(k, 0), 2) for k in now},
         }
 
     def remove(self) -> None:
@@ -261,11 +262,19 @@ def _triton_importable() -> bool:
     return True
 
 
-def _dynamo_counters() -> dict[str, int]:
-    from torch._dynamo.utils import counters
+def _dynamo_counters() -> dict[str, int | float]:
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    def seconds(name: str) -> float:
+        return round(float(sum(compilation_time_metrics.get(name, ()))), 2)
 
     return {
         "graphs_compiled": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
         "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+        # Wall seconds in torch.compile: tracing and Inductor (with the backward graphs when they are
+        # built with the forward, as under recompute) plus backward graphs built lazily at the first
+        # backward. The part of a first step that is torch.compile's; the rest of its extra time is
+        # the kernels' own builds, autotuning and the first pinned allocations.
+        "compile_s": round(seconds("_compile.compile_inner") + seconds("backward._backward_impl"), 2),
     }
