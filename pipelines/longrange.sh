@@ -92,6 +92,12 @@ warm() { echo $(( $2 / 4 < $1 ? $2 / 4 : $1 )); }
 # their sources by MUTATE substitutions per base when set.
 plant() { echo "len=64,max-dist=$(( $(bases "$1") * 3 / 4 )),per-window=$2${MUTATE:+,mutate=$MUTATE}"; }
 
+# Settings that cannot work are refused before any stage runs.
+if [ -n "$SHORT_SEQ" ] && [ -z "$BASELINE" ] && { [ "$(bases "$SHORT_SEQ")" -gt "$(bases "$SEQ")" ] || [ $(( $(bases "$SEQ") % $(bases "$SHORT_SEQ") )) -ne 0 ]; }; then
+    echo "SHORT_SEQ=$SHORT_SEQ must divide SEQ=$SEQ (the short stage reads the long stage's tokens per step): e.g. SHORT_SEQ=32k, or SHORT_SEQ= for no short stage" >&2
+    exit 2
+fi
+
 stage "1/8 prepare $FASTA -> $DATA"
 $G prepare --fasta "$FASTA" ${TRAIN:+--train "$TRAIN"} ${HOLDOUT:+--holdout "$HOLDOUT"} --out "$DATA" --reuse
 done_if prepare
@@ -125,10 +131,6 @@ finetune_or_resume "$RUNS-long" "$STEPS" --model "$RUNS-own/model" --seq "$SEQ" 
 done_if long
 
 if [ -z "$BASELINE" ] && [ -n "$SHORT_SEQ" ]; then
-    if [ "$(bases "$SHORT_SEQ")" -gt "$(bases "$SEQ")" ] || [ $(( $(bases "$SEQ") % $(bases "$SHORT_SEQ") )) -ne 0 ]; then
-        echo "SHORT_SEQ=$SHORT_SEQ must divide SEQ=$SEQ (the short stage reads the long stage's tokens per step): e.g. SHORT_SEQ=32k, or SHORT_SEQ= for no short stage" >&2
-        exit 2
-    fi
     short_batch=$(( $(bases "$SEQ") / $(bases "$SHORT_SEQ") ))
     stage "6/8 short: the comparison arm, $STEPS steps of $short_batch x $SHORT_SEQ (the long stage's tokens in short windows) -> $RUNS-short"
     finetune_or_resume "$RUNS-short" "$STEPS" --model "$RUNS-own/model" --seq "$SHORT_SEQ" --batch "$short_batch" --lr 1e-4 \
