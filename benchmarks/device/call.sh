@@ -41,7 +41,9 @@ for stage in "$@"; do
     ablation) cmd="$B ablation --data /tmp/bundled ${ABLATION_ARGS:-}" ;;
     train) cmd="$B train --data /tmp/bundled ${TRAIN_ARGS:-}" ;;
     # `genolong finetune` itself (its defaults: on the GPU the compile pass and the fused kernels), a few steps; its run files come back.
-    finetune) cmd="python3 -m genolong finetune --data /tmp/bundled --seq ${FT_SEQ:-128k} --steps ${FT_STEPS:-4} --warmup 1 --out /tmp/ft --overwrite ${FT_ARGS:-}; rc=\$?; mkdir -p $OUT/finetune; cp /tmp/ft/*.json /tmp/ft/*.jsonl /tmp/ft/*.log $OUT/finetune/ 2>/dev/null; exit \$rc" ;;
+    # FT_TAG names the returned folder (finetune-TAG), so that two invocations in one command (e.g. one
+    # with FLA_TILELANG=0: fla's KDA backward without its TileLang kernel) both come back.
+    finetune) cmd="python3 -m genolong finetune --data /tmp/bundled --seq ${FT_SEQ:-128k} --steps ${FT_STEPS:-4} --warmup 1 --out /tmp/ft --overwrite ${FT_ARGS:-}; rc=\$?; mkdir -p $OUT/finetune${FT_TAG:+-$FT_TAG}; cp /tmp/ft/*.json /tmp/ft/*.jsonl /tmp/ft/*.log $OUT/finetune${FT_TAG:+-$FT_TAG}/ 2>/dev/null; exit \$rc" ;;
     compile128k) cmd="$B compile --data /tmp/bundled --seq 128k" ;;
     reallayers) cmd="$B real_layers --budget-s $(( limit - 40 )) ${REAL_ARGS---plan-check}" ;;
     sparse) cmd="$B sparse --budget-s $(( limit - 40 )) ${SPARSE_ARGS:-}" ;;
