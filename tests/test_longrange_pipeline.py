@@ -40,15 +40,31 @@ def _indexer_weights(model_dir):
     return weights
 
 
-@pytest.mark.slow
-def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
+def _tree(tmp_path):
     tree = tmp_path / "tree"
     shutil.copytree(ROOT / "pipelines", tree / "pipelines")
+    return tree
 
-    # The comparison arm first: the indexer frozen in every stage.
-    frozen = _pipeline(tree, INDEXER_COEFF="0", TAG="lr-frozen", UNTIL="own")
+
+def _same_indexer(tree, tag):
+    """Whether the indexer's weights are the same in the copy stage's model and the own stage's."""
+    before, after = _indexer_weights(tree / f"runs/{tag}-copy/model"), _indexer_weights(tree / f"runs/{tag}-own/model")
+    assert before.keys() == after.keys()
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_the_frozen_arm_keeps_the_indexer_in_every_stage(tmp_path):
+    # The fewest steps that still pass through every stage up to own: the check is the indexer's weights.
+    tree = _tree(tmp_path)
+    frozen = _pipeline(tree, INDEXER_COEFF="0", TAG="lr-frozen", UNTIL="own", COPY_STEPS="2", WIDE_STEPS="1", OWN_STEPS="1")
     assert "done (UNTIL=own)" in frozen
+    assert _same_indexer(tree, "lr-frozen"), "INDEXER_COEFF=0 left the indexer training"
 
+
+@pytest.mark.slow
+def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
+    tree = _tree(tmp_path)
     log = _pipeline(tree, TAG="lr")
     for n in range(1, 9):
         assert f"] {n}/8 " in log
@@ -64,16 +80,7 @@ def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
     assert [r["tokens"] for r in short] == [r["tokens"] for r in long_] == [4096, 4096]
     recall = json.loads((tree / "eval/lr-recall/recall.json").read_text())
     assert recall["windows"] or recall.get("n_windows")
-
-    # The indexer: unchanged from the copy stage's model to the own stage's in the frozen arm,
-    # changed in the trained one.
-    def same_indexer(tag):
-        before, after = _indexer_weights(tree / f"runs/{tag}-copy/model"), _indexer_weights(tree / f"runs/{tag}-own/model")
-        assert before.keys() == after.keys()
-        return all(torch.equal(before[k], after[k]) for k in before)
-
-    assert same_indexer("lr-frozen"), "INDEXER_COEFF=0 left the indexer training"
-    assert not same_indexer("lr")
+    assert not _same_indexer(tree, "lr")  # the trained arm's indexer learns
 
     # A rerun: every training stage is skipped, the evaluations are reused.
     again = _pipeline(tree, TAG="lr")

@@ -60,7 +60,7 @@ def test_the_finetune_commands_plan_to_fit_one_h200():
 def _stage(tmp_path, budget, runs, **env):
     env = {**os.environ, "GENOLONG": f"{sys.executable} {FAKE}", "OUT": str(tmp_path / "out"), "TILING_DIR": str(tmp_path / "runs"),
            "TILING_DATA": str(tmp_path / "data"), "TILING_EVAL_DATA": str(tmp_path / "evaldata"), "TILING_MIN_S": "1",
-           "TILING_STOP_S": "2", "TILING_POLL_S": "0.1", "TILING_PAIR_S": "4", "TILING_RUNS": runs, "FAKE_STEP_S": "0.3", "FAKE_FINAL_STEP_S": "3", **env}
+           "TILING_STOP_S": "2", "TILING_POLL_S": "0.1", "TILING_PAIR_S": "4", "TILING_RUNS": runs, "FAKE_STEP_S": "0.3", "FAKE_FINAL_STEP_S": "1.5", **env}
     return subprocess.run(["bash", str(STAGE), str(budget)], env=env, capture_output=True, text=True, timeout=budget + 60)
 
 
