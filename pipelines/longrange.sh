@@ -26,10 +26,10 @@
 #                 unless set; the own stage's without a short stage), window by window: the
 #                 decisive numbers, so it runs first
 #   8 recall      eval-recall on the held-out chromosome: copies at several distances, null-aware
-# Times on one H100 (2026-12-06, the defaults, STEPS=12, before the short stage existed): copy 5 min
-# (3 of them compiling) and its check 22 s, widen 2.5 min, own 2.3 min, long 2.2 min (5.9 s a 512k
-# step after 47 s compiling), positional 3.3 min (4.75 s per window and model), recall 40 s: ~16.5
-# minutes from a fresh machine. The short stage (12 steps of 16 x 32k) is not yet measured.
+# Times on one H100 (2026-12-06, the defaults, a fresh machine): copy 4.1 min (80 s of it the first
+# step's compiling) and its check 22 s, widen 2.75 min, own 2.3 min, long 2.1 min (6.0 s a 512k step
+# after a 35 s first one), short 1.7 min (5.0 s a step of 16 x 32k after a 24 s first one),
+# positional 3.4 min (4.3-4.9 s per window and model), recall 40 s: ~18 minutes in all.
 # The comparison arm: the same stages with the indexer frozen at its initialisation (INDEXER_COEFF=0
 # in every stage: the oracle still teaches copying, but nothing teaches the indexer to find the
 # source), then the main arm's evaluation against it:
