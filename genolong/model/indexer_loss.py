@@ -270,14 +270,15 @@ class IndexerLossSwitch:
     weight: float = 1.0
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     query_fraction: float = 1.0
-    query_block: int = QUERY_BLOCK
+    query_block: int | None = None  # None: QUERY_BLOCK
     seed: int = 0
     step: int = 0
 
     def scored_runs(self, layer_idx: int, length: int) -> list[tuple[int, int]]:
         """The whole sequence's query ranges [a, b) the sparse KL scores in this layer this step."""
-        blocks = scored_blocks(length, self.query_fraction, block=self.query_block, seed=self.seed, step=self.step, layer=layer_idx)
-        return block_runs(blocks, self.query_block, length)
+        block = self.query_block or QUERY_BLOCK
+        blocks = scored_blocks(length, self.query_fraction, block=block, seed=self.seed, step=self.step, layer=layer_idx)
+        return block_runs(blocks, block, length)
 
     def record(self, layer_idx: int, kl_sum: torch.Tensor, n_queries: int) -> None:
         value = kl_sum.detach().float() * (self.weight / n_queries)
