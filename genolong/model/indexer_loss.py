@@ -334,6 +334,13 @@ def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: fl
         add(torch.autograd.grad((index_q, head_weights), params, (d_iq, d_w), allow_unused=True))
         d_pool_keys += d_pk
         kl_sum = kl_sum + kl.sum()
+    if not chunks:
+        # A piece that scores no query still returns zeros (not None) for the query projections'
+        # parameters, so every piece holds a gradient for the same parameters when they are summed.
+        with torch.enable_grad():
+            index_q, head_weights = indexer.queries(x[:, :1], q_resid[:, :1])  # (zero rows would not reshape)
+        add(torch.autograd.grad((index_q, head_weights), params, (torch.zeros_like(index_q), torch.zeros_like(head_weights)),
+                                allow_unused=True))
     add(torch.autograd.grad(pool_keys, params, d_pool_keys.to(pool_keys.dtype), allow_unused=True))
     return kl_sum, grads
 

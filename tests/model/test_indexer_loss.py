@@ -286,6 +286,30 @@ def test_every_query_or_a_sequence_of_one_block_is_the_old_loss_bit_for_bit(monk
         assert g is not None and torch.equal(p.grad, g), name
 
 
+def _layer_tensors(attn, x):
+    """What a DSA layer's forward hands its indexer loss: (q_resid, q, latent, top-k, lse), detached."""
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x)).detach()
+    q = torch.einsum("bthd,hdl->bthl", attn.q_b_proj(q_resid).view(*x.shape[:2], -1, attn.qk_head_dim), attn.absorbed_weights()[0]).detach()
+    latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)).detach()
+    topk = attn.indexer.select(attn.indexer.project(x, q_resid))
+    _, lse = sparse_attention_reference(q, latent, topk, scale=attn.scale, return_lse=True)
+    return q_resid, q, latent, topk, lse
+
+
+def test_a_piece_that_scores_no_query_returns_zero_gradients_for_every_parameter():
+    # Pieces' gradients are summed over ranks: each must hold one for the same parameters.
+    attn, x = _dsa_layer()
+    tensors = _layer_tensors(attn, x)
+    kw = dict(scale=attn.scale, grad_scale=0.1)
+    kl_all, every = il.sparse_loss_gradients(attn.indexer, x, *tensors, **kw)
+    kl_none, none = il.sparse_loss_gradients(attn.indexer, x, *tensors, rows=[], **kw)
+    assert kl_all > 0 and kl_none == 0
+    for g_all, g_none in zip(every, none, strict=True):
+        assert (g_all is None) == (g_none is None)
+        assert g_none is None or (g_none.shape == g_all.shape and not g_none.any())
+    assert all(g is not None for g in every)
+
+
 def _blocks_covered(blocks, block, length):
     """Query positions of the chosen blocks, by the documented rule: block b holds [b*block, min((b+1)*block, length))."""
     return torch.tensor([t for b in blocks for t in range(b * block, min((b + 1) * block, length))])
@@ -308,13 +332,8 @@ def test_a_subset_of_query_blocks_is_the_reference_on_those_queries_over_their_c
         attn.zero_grad(set_to_none=True)
         rows = _blocks_covered(blocks, block, 90)
         assert len(blocks) == 3 and len(rows) == (42 if 5 in blocks else 48)
-        q_resid = attn.q_a_layernorm(attn.q_a_proj(x)).detach()
-        q = torch.einsum("bthd,hdl->bthl", attn.q_b_proj(q_resid).view(2, 90, -1, attn.qk_head_dim), attn.absorbed_weights()[0]).detach()
-        latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)).detach()
-        proj = attn.indexer.project(x, q_resid)
-        iq, pk, w = proj
-        topk = attn.indexer.select(proj)
-        _, lse = sparse_attention_reference(q, latent, topk, scale=attn.scale, return_lse=True)
+        q_resid, q, latent, topk, lse = _layer_tensors(attn, x)
+        iq, pk, w = attn.indexer.project(x, q_resid)
         cfg = attn.indexer.cfg
         n_scored = 2 * len(rows)
         kl, d_iq, d_pk, d_w = indexer_loss_reference(
