@@ -350,7 +350,9 @@ def test_a_subset_of_query_blocks_is_the_reference_on_those_queries_over_their_c
 
 
 def test_the_block_choice_is_a_function_of_seed_step_and_layer():
-    draw = lambda **kw: il.scored_blocks(**{"length": 512 * 1024, "fraction": 0.25, "block": 4096, "seed": 0, "step": 5, "layer": 3, **kw})  # noqa: E731
+    def draw(**kw):
+        return il.scored_blocks(**{"length": 512 * 1024, "fraction": 0.25, "block": 4096, "seed": 0, "step": 5, "layer": 3, **kw})
+
     blocks = draw()
     assert len(blocks) == 32 and blocks == sorted(set(blocks)) and 0 <= blocks[0] and blocks[-1] < 128
     assert draw() == blocks  # the same on every rank, piece and resume
