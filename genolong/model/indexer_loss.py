@@ -23,8 +23,8 @@ genolong/train/indexer.py) and `attach_indexer_loss` (the sparse stage's backwar
 
 Query subset (`--indexer-loss-queries F`, docs/training.md "The indexer"): the sparse stage may
 take its KL over a random subset of the sequence's query blocks only (`scored_blocks`), the mean
-over the scored queries, so its gradient is an unbiased estimate of the full mean's and the
-recorded value stays comparable; F = 1 scores every query, exactly as without the option.
+over the scored queries, so its gradient is an unbiased estimate of the full mean's (exactly when
+the length is a multiple of the block) and the recorded value stays comparable; F = 1 scores every query, exactly as without the option.
 
 Memory: the sparse stage keeps nothing of the indexer from the forward (the top-k runs under
 no_grad as when frozen); the backward recomputes the indexer's projections from the layer's own
@@ -215,12 +215,11 @@ def indexer_dense_loss(
 
 # Queries per block of the sparse KL's query subset. Each chosen block is a contiguous slice of the
 # layer's saved tensors (a view, no copy of q's heads x latent per query), adjacent chosen blocks
-# merge into one op call, and a block is a multiple of every pool size and of the fused op's query
-# tiles. Smaller blocks spread the scored queries more evenly over the window: on the CPU
+# merge into one op call, and a block is a multiple of every pool size. Smaller blocks spread the scored queries more evenly over the window: on the CPU
 # (benchmarks indexer_subset, F = 0.25, 6 seeds) the indexer's recall after 300 steps trailed F = 1's
 # by 0.011 with 64 blocks a sequence, 0.022 with 16 and 0.036 with 4. 2048 gives 64 blocks at 128k
 # and 256 at 512k, while the op's calls per layer stay at most F x T / 2048 (64 at 512k, F = 0.25),
-# each of 2048 queries or more: launches well filled. A sequence shorter than a block is one block.
+# each of 2048 queries or more. A sequence shorter than a block is one block.
 QUERY_BLOCK = 2048
 
 
