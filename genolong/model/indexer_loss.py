@@ -21,6 +21,11 @@ Gradients reach only the indexer's own parameters: its inputs are detached, and 
 constant. How the loss enters training: `IndexerLossSwitch` (set on a DSA layer from outside,
 genolong/train/indexer.py) and `attach_indexer_loss` (the sparse stage's backward hook).
 
+Query subset (`--indexer-loss-queries F`, docs/training.md "The indexer"): the sparse stage may
+take its KL over a random subset of the sequence's query blocks only (`scored_blocks`), the mean
+over the scored queries, so its gradient is an unbiased estimate of the full mean's (exactly when
+the length is a multiple of the block) and the recorded value stays comparable; F = 1 scores every query, exactly as without the option.
+
 Memory: the sparse stage keeps nothing of the indexer from the forward (the top-k runs under
 no_grad as when frozen); the backward recomputes the indexer's projections from the layer's own
 saved inputs, the queries in chunks, so its extra memory at 512k is the pooled keys' graph and
@@ -29,6 +34,8 @@ one chunk, not [T x ...] indexer activations.
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -206,6 +213,43 @@ def indexer_dense_loss(
 
 # ------------------------------------------------------------------------ how the loss trains
 
+# Queries per block of the sparse KL's query subset. Each chosen block is a contiguous slice of the
+# layer's saved tensors (a view, no copy of q's heads x latent per query), adjacent chosen blocks
+# merge into one op call, and a block is a multiple of every pool size. Smaller blocks spread the scored queries more evenly over the window: on the CPU
+# (benchmarks indexer_subset, F = 0.25, 6 seeds) the indexer's recall after 300 steps trailed F = 1's
+# by 0.011 with 64 blocks a sequence, 0.022 with 16 and 0.036 with 4. 2048 gives 64 blocks at 128k
+# and 256 at 512k, while the op's calls per layer stay at most F x T / 2048 (64 at 512k, F = 0.25),
+# each of 2048 queries or more. A sequence shorter than a block is one block.
+QUERY_BLOCK = 2048
+
+
+def scored_blocks(length: int, fraction: float, *, block: int, seed: int, step: int, layer: int) -> list[int]:
+    """The query blocks a layer takes its sparse KL over this step, sorted: block b holds the
+    positions [b * block, min((b + 1) * block, length)) of the whole sequence; ceil(fraction *
+    n_blocks) of the n_blocks = ceil(length / block) are drawn without replacement by a generator
+    seeded from (seed, step, layer), so every rank and piece of the sequence, and a resumed run,
+    draws the same ones. fraction 1: every block."""
+    n_blocks = max(1, -(-length // block))
+    # The tolerance keeps float products like 0.1 * 30 = 3.0000000000000004 from rounding up a block.
+    chosen = min(n_blocks, max(1, math.ceil(fraction * n_blocks - 1e-9)))
+    if chosen == n_blocks:
+        return list(range(n_blocks))
+    # A string seed: Python hashes it with SHA-512, the same on every process whatever PYTHONHASHSEED.
+    rng = random.Random(f"indexer-loss-queries/{seed}/{step}/{layer}")
+    return sorted(rng.sample(range(n_blocks), chosen))
+
+
+def block_runs(blocks: list[int], block: int, length: int) -> list[tuple[int, int]]:
+    """Sorted block ids -> the position ranges [a, b) they cover, adjacent blocks merged."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        a, z = b * block, min(length, (b + 1) * block)
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], z)
+        else:
+            runs.append((a, z))
+    return runs
+
 
 @dataclass
 class IndexerLossSwitch:
@@ -215,14 +259,27 @@ class IndexerLossSwitch:
     DENSE (warm-up: KL against dense attention, computed and back-propagated into the indexer
     during the forward, which must run under torch.no_grad: the main model is frozen).
     coeff: the loss weight. weight: this micro-batch's share of the optimizer step (1/grad_accum).
-    Each layer's loss is the mean KL over the micro-batch's B*T queries, so its scale does not
+    Each layer's loss is the mean KL over the micro-batch's scored queries, so its scale does not
     depend on the length; `values` accumulates weight * mean KL per layer: the step's mean.
+    query_fraction: the share of query blocks (of `query_block` queries) the sparse KL scores,
+    drawn per layer from (seed, step) by `scored_blocks`; 1 scores all B*T queries. The dense
+    warm-up always scores every query.
     """
 
     mode: str
     coeff: float
     weight: float = 1.0
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    query_fraction: float = 1.0
+    query_block: int | None = None  # None: QUERY_BLOCK
+    seed: int = 0
+    step: int = 0
+
+    def scored_runs(self, layer_idx: int, length: int) -> list[tuple[int, int]]:
+        """The whole sequence's query ranges [a, b) the sparse KL scores in this layer this step."""
+        block = self.query_block or QUERY_BLOCK
+        blocks = scored_blocks(length, self.query_fraction, block=block, seed=self.seed, step=self.step, layer=layer_idx)
+        return block_runs(blocks, block, length)
 
     def record(self, layer_idx: int, kl_sum: torch.Tensor, n_queries: int) -> None:
         value = kl_sum.detach().float() * (self.weight / n_queries)
@@ -237,9 +294,13 @@ class IndexerLossSwitch:
 LOSS_QUERY_CHUNK = 32768
 
 
-def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: float, grad_scale: float, piece=None):
+def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: float, grad_scale: float, piece=None, rows=None):
     """The sparse KL of one layer and the gradient of grad_scale * its sum for every parameter of
-    `indexer` (None where unused) -> (KL summed over queries, [gradients]).
+    `indexer` (None where unused) -> (KL summed over the scored queries, [gradients]).
+
+    rows: the ranges [a, b) of this call's queries (indices into q's dim 1) to score; None: all.
+    The pooled keys are projected (and, with a piece, gathered) whatever rows says: every piece
+    joins the gather, and each pool's gradient collects from the scored queries that selected it.
 
     The projections are recomputed here from the layer's (detached) x and q_resid, the queries'
     in chunks of LOSS_QUERY_CHUNK: nothing of the indexer is kept from the forward, and the largest
@@ -260,9 +321,10 @@ def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: fl
         if piece is not None:
             pool_keys = piece.gather(pool_keys)
     d_pool_keys = torch.zeros(pool_keys.shape, dtype=wide(pool_keys.dtype), device=pool_keys.device)
-    kl_sum = 0.0
-    for t0 in range(0, q.shape[1], LOSS_QUERY_CHUNK):
-        t1 = min(q.shape[1], t0 + LOSS_QUERY_CHUNK)
+    kl_sum = torch.zeros((), dtype=torch.float32, device=q.device)
+    chunks = [(t0, min(b, t0 + LOSS_QUERY_CHUNK)) for a, b in (rows if rows is not None else [(0, q.shape[1])])
+              for t0 in range(a, b, LOSS_QUERY_CHUNK)]
+    for t0, t1 in chunks:
         with torch.enable_grad():
             index_q, head_weights = indexer.queries(x[:, t0:t1], q_resid[:, t0:t1])
         kl, d_iq, d_pk, d_w = ops.call(
@@ -273,6 +335,13 @@ def sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale: fl
         add(torch.autograd.grad((index_q, head_weights), params, (d_iq, d_w), allow_unused=True))
         d_pool_keys += d_pk
         kl_sum = kl_sum + kl.sum()
+    if not chunks:
+        # A piece that scores no query still returns zeros (not None) for the query projections'
+        # parameters, so every piece holds a gradient for the same parameters when they are summed.
+        with torch.enable_grad():
+            index_q, head_weights = indexer.queries(x[:, :1], q_resid[:, :1])  # (zero rows would not reshape)
+        add(torch.autograd.grad((index_q, head_weights), params, (torch.zeros_like(index_q), torch.zeros_like(head_weights)),
+                                allow_unused=True))
     add(torch.autograd.grad(pool_keys, params, d_pool_keys.to(pool_keys.dtype), allow_unused=True))
     return kl_sum, grads
 
@@ -287,18 +356,23 @@ class _AttachIndexerLoss(torch.autograd.Function):
     def forward(ctx, out, x, q_resid, q, kv, indices, lse, spec, *params):
         ctx.save_for_backward(x, q_resid, q, kv, indices, lse)
         indexer, scale, switch, piece = spec
-        n_queries = q.shape[0] * (q.shape[1] if piece is None else piece.length)
+        # The scored blocks are the whole sequence's (kv's length), so pieces score exactly what
+        # the whole-sequence layer scores and share its normalisation.
+        runs = switch.scored_runs(indexer.layer_idx, kv.shape[1])
+        n_queries = q.shape[0] * sum(b - a for a, b in runs)
+        offset, seq = (0 if piece is None else piece.offset), q.shape[1]
+        rows = [(max(a, offset) - offset, min(b, offset + seq) - offset) for a, b in runs if a < offset + seq and b > offset]
         # The loss's kernel runs in backward (autograd's own thread on CUDA): under the policy in force now.
-        ctx.spec = (indexer, scale, switch, piece, n_queries, switch.grad_scale(n_queries), ops.active())
+        ctx.spec = (indexer, scale, switch, piece, rows, n_queries, switch.grad_scale(n_queries), ops.active())
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, q_resid, q, kv, indices, lse = ctx.saved_tensors
-        indexer, scale, switch, piece, n_queries, grad_scale, policy = ctx.spec
+        indexer, scale, switch, piece, rows, n_queries, grad_scale, policy = ctx.spec
         with ops.policy(policy):
             kl_sum, grads = sparse_loss_gradients(
-                indexer, x, q_resid, q, kv, indices, lse, scale=scale, grad_scale=grad_scale, piece=piece
+                indexer, x, q_resid, q, kv, indices, lse, scale=scale, grad_scale=grad_scale, piece=piece, rows=rows
             )
         switch.record(indexer.layer_idx, _over_pieces(kl_sum, piece), n_queries)
         return (grad_out, None, None, None, None, None, None, None, *grads)
@@ -311,8 +385,8 @@ def attach_indexer_loss(
     Its inputs are detached here: the KL trains the indexer and nothing upstream of it.
 
     With a `piece` (genolong/model/piece.py) x, q_resid, q and indices are this piece's queries, kv
-    the whole sequence's; the KL is normalised over the whole sequence's queries and the recorded
-    value is summed over the pieces, so every piece records the layer's mean."""
+    the whole sequence's; the KL is normalised over the whole sequence's scored queries and the
+    recorded value is summed over the pieces, so every piece records the layer's mean."""
     return _AttachIndexerLoss.apply(
         out, x.detach(), q_resid.detach(), q.detach(), kv.detach(), indices, lse.detach(), (indexer, scale, switch, piece),
         *indexer.parameters(),

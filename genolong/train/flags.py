@@ -182,6 +182,8 @@ INDEXER = flag_section(
          target="indexer_loss_coeff"),
     Flag("indexer_warmup_steps", int, 0, "First N steps train only the indexer, against dense attention (O(T^2): short contexts).",
          panel=INDEXER_PANEL, target="indexer_warmup_steps"),
+    Flag("indexer_loss_queries", float, 1.0, "Share of query blocks (2048 queries) the sparse KL scores, drawn per step and layer "
+         "(1: every query; e.g. 0.25 for a quarter of the loss's cost).", panel=INDEXER_PANEL, target="indexer_loss_queries"),
     Flag("indexer_recall_every", int, 0, "Every N steps log how much dense attention the indexer's selection keeps (0: never).",
          panel=INDEXER_PANEL, target="indexer_recall_every"),
     Flag("indexer_recall_queries", int, 256, "Sampled queries per DSA layer for the recall.", panel=INDEXER_PANEL, target="indexer_recall_queries"),

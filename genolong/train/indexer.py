@@ -13,7 +13,9 @@ The model's DSA layers carry two attributes, None by default: `indexer_loss` (an
   selection has shaped); each DSA layer back-propagates its dense KL into its indexer during the
   forward; the optimizer updates only the indexer (`update_only`);
 - sparse (after the warm-up): the KL over each query's selected pools, added to the indexer's
-  gradient during the layer's backward, beside the LM loss (which never reaches the indexer).
+  gradient during the layer's backward, beside the LM loss (which never reaches the indexer);
+  with `query_fraction` < 1 over a random share of the query blocks only, drawn per step and
+  layer from (seed, step) (genolong.model.indexer_loss.scored_blocks).
 
 Micro-batches: each layer's loss is the mean KL over the micro-batch's queries, weighted by
 1 / grad_accum, so the step's loss is the mean over all its queries (micro-batches are equal).
@@ -60,9 +62,12 @@ def trainable_parameters(model, *, train_indexer: bool) -> list[tuple[str, torch
 class IndexerTraining:
     """Which stage each step is in, the switches on the DSA layers, and the step's indexer metrics."""
 
-    def __init__(self, model, *, coeff: float = 0.0, warmup_steps: int = 0, recall_every: int = 0, recall_queries: int = 256):
+    def __init__(self, model, *, coeff: float = 0.0, warmup_steps: int = 0, recall_every: int = 0, recall_queries: int = 256,
+                 query_fraction: float = 1.0, seed: int = 0):
         if not (math.isfinite(coeff) and coeff >= 0):
             raise GenolongError(f"--indexer-loss-coeff must be a finite number >= 0, got {coeff}")
+        if not (math.isfinite(query_fraction) and 0 < query_fraction <= 1):
+            raise GenolongError(f"--indexer-loss-queries must be in (0, 1] (the share of query blocks the KL scores), got {query_fraction}")
         self.layers = indexer_layers(model)
         # Every DSA layer, shared-indexer ones too: during the warm-up all of them attend densely.
         self.dsa_layers = [layer.self_attn for layer in getattr(getattr(model, "model", model), "layers", [])
@@ -76,6 +81,8 @@ class IndexerTraining:
         self.warmup_steps = warmup_steps if coeff > 0 else 0
         self.recall_every = recall_every
         self.recall_queries = recall_queries
+        self.query_fraction = query_fraction
+        self.seed = seed
         self.names = {name for name, _ in model.named_parameters() if is_indexer_parameter(name)}
         self._switch: IndexerLossSwitch | None = None
         self._probe: RecallProbe | None = None
@@ -95,7 +102,8 @@ class IndexerTraining:
         self._phase = self.phase(step)
         self._switch = None
         if self._phase != FROZEN:
-            self._switch = IndexerLossSwitch(DENSE if self._phase == WARMUP else SPARSE, self.coeff)
+            self._switch = IndexerLossSwitch(DENSE if self._phase == WARMUP else SPARSE, self.coeff,
+                                             query_fraction=self.query_fraction, seed=self.seed, step=step)
         self._probe = RecallProbe(self.recall_queries) if self.recall_every and step % self.recall_every == 0 else None
         for attn in self.layers.values():
             attn.indexer_loss = self._switch

@@ -170,6 +170,8 @@ def _train(spec: RunSpec, procs: distributed.Processes) -> list[dict]:
         warmup_steps=options.indexer_warmup_steps,
         recall_every=options.indexer_recall_every,
         recall_queries=options.indexer_recall_queries,
+        query_fraction=options.indexer_loss_queries,
+        seed=options.seed,
     )
     optimizer = MasterAdamW(
         trainable_parameters(model, train_indexer=indexer.trains),

@@ -245,6 +245,9 @@ class TrainOptions:
     indexer_warmup_steps: int = 0
     indexer_recall_every: int = 0
     indexer_recall_queries: int = 256
+    # The share of query blocks the sparse KL scores, drawn per step and layer (1: every query;
+    # genolong.model.indexer_loss.scored_blocks): the loss's per-query cost at a fraction.
+    indexer_loss_queries: float = 1.0
     # The model's indexer top-k for this run (None: the model's own); the saved model keeps it.
     indexer_topk: int | None = None
     # The copy curriculum (genolong/train/copy_oracle.py): k-mer length of the selection oracle; 0 = off.
@@ -328,6 +331,16 @@ class TrainOptions:
             raise GenolongError(
                 f"--indexer-warmup-steps {self.indexer_warmup_steps} trains the indexer, but --indexer-loss-coeff is 0 "
                 "(frozen indexer); give --indexer-loss-coeff > 0 (e.g. 1.0)"
+            )
+        fraction = self.indexer_loss_queries
+        if not (math.isfinite(fraction) and 0 < fraction <= 1):
+            raise GenolongError(
+                f"--indexer-loss-queries must be in (0, 1] (the share of query blocks the indexer's KL scores; 1: all), got {fraction}"
+            )
+        if fraction < 1 and coeff == 0:
+            raise GenolongError(
+                f"--indexer-loss-queries {fraction} subsamples the indexer's KL, but --indexer-loss-coeff is 0 "
+                "(frozen indexer); give --indexer-loss-coeff > 0 (e.g. 1.0) or drop --indexer-loss-queries"
             )
         if self.indexer_recall_queries < 1:
             raise GenolongError(f"--indexer-recall-queries must be >= 1, got {self.indexer_recall_queries}")

@@ -82,3 +82,39 @@ def test_fused_policy_trains_the_indexer_in_a_model():
     assert all(impl != ops.REFERENCE for impl in ops.audit().values()), ops.audit()
     for name, p in attn.indexer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, name
+
+
+def test_fused_policy_with_a_query_subset_scores_the_chosen_blocks_only(monkeypatch):
+    # --indexer-loss-queries 0.5 on 4 blocks: the fused op sees exactly the 2 chosen blocks' queries,
+    # and the recorded KL is the mean over them.
+    from genolong.model import indexer_loss as il
+    from genolong.model.model import GenoLongForCausalLM
+
+    cfg = get_preset("glm53-mini", num_layers=4)
+    model = GenoLongForCausalLM(cfg, dtype=torch.bfloat16).to(DEV)
+    real = ops.implementations("dsa_indexer_loss")["triton_pool_kl"]
+    calls = []
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        calls.append((args[3].shape[1], out[0].double().sum().item()))
+        return out
+
+    monkeypatch.setitem(ops._IMPLS["dsa_indexer_loss"], "triton_pool_kl", spy)
+    seq = 4 * il.QUERY_BLOCK
+    assert len(il.scored_blocks(seq, 0.5, block=il.QUERY_BLOCK, seed=0, step=1, layer=3)) == 2
+    attn = model.model.layers[3].self_attn
+    switch = IndexerLossSwitch(SPARSE, 1.0, query_fraction=0.5, step=1)
+    attn.indexer_loss = switch
+    ops.use("fused")
+    try:
+        tokens = torch.randint(0, cfg.vocab_size, (1, seq), device=DEV)
+        model(tokens).logits.float().logsumexp(-1).mean().backward()
+    finally:
+        attn.indexer_loss = None
+        ops.use("reference")
+    scored = 2 * il.QUERY_BLOCK
+    assert calls and sum(rows for rows, _ in calls) == scored
+    assert abs(float(switch.values[3]) / (sum(kl for _, kl in calls) / scored) - 1) < 1e-4
+    for name, p in attn.indexer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, name

@@ -234,6 +234,142 @@ def test_the_layer_gradient_is_the_reference_kl_chained_through_the_indexer(monk
         assert _rel(got[name], p.grad) < 1e-10, name
 
 
+def _old_sparse_loss_gradients(indexer, x, q_resid, q, kv, indices, lse, *, scale, grad_scale):
+    """The sparse stage's backward as it was before --indexer-loss-queries existed (one process):
+    every query, in chunks of LOSS_QUERY_CHUNK."""
+    cfg, params = indexer.cfg, list(indexer.parameters())
+    grads = [None] * len(params)
+
+    def add(new):
+        for i, g in enumerate(new):
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i] + g
+
+    with torch.enable_grad():
+        pool_keys = indexer.pool_keys(x)
+    d_pool_keys = torch.zeros(pool_keys.shape, dtype=il.wide(pool_keys.dtype))
+    kl_sum = 0.0
+    for t0 in range(0, q.shape[1], il.LOSS_QUERY_CHUNK):
+        t1 = min(q.shape[1], t0 + il.LOSS_QUERY_CHUNK)
+        with torch.enable_grad():
+            index_q, head_weights = indexer.queries(x[:, t0:t1], q_resid[:, t0:t1])
+        kl, d_iq, d_pk, d_w = indexer_loss_reference(
+            index_q.detach(), pool_keys.detach(), head_weights.detach(), q[:, t0:t1], kv, indices[:, t0:t1], lse[:, t0:t1],
+            kpool=cfg.kpool, topk_pools=cfg.topk_pools, index_scale=indexer.softmax_scale, scale=scale, grad_scale=grad_scale,
+        )
+        add(torch.autograd.grad((index_q, head_weights), params, (d_iq, d_w), allow_unused=True))
+        d_pool_keys += d_pk
+        kl_sum = kl_sum + kl.sum()
+    add(torch.autograd.grad(pool_keys, params, d_pool_keys.to(pool_keys.dtype), allow_unused=True))
+    return kl_sum, grads
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+def test_every_query_or_a_sequence_of_one_block_is_the_old_loss_bit_for_bit(monkeypatch, fraction):
+    # fraction 1 scores every query; 90 queries are one block of 4096, so 0.3 scores them all too.
+    monkeypatch.setattr(il, "LOSS_QUERY_CHUNK", 7)
+    captured = []
+    real = il.sparse_loss_gradients
+
+    def spy(indexer, x, q_resid, q, kv, indices, lse, **kw):
+        captured.append((indexer, x, q_resid, q, kv, indices, lse, kw["scale"]))
+        return real(indexer, x, q_resid, q, kv, indices, lse, **kw)
+
+    monkeypatch.setattr(il, "sparse_loss_gradients", spy)
+    attn, x = _dsa_layer()
+    attn.indexer_loss = IndexerLossSwitch(SPARSE, 0.5, weight=0.5, query_fraction=fraction, step=3)
+    attn(x)[0].sum().backward()
+    indexer, *tensors, scale = captured[0]
+    kl_sum, grads = _old_sparse_loss_gradients(indexer, *tensors, scale=scale, grad_scale=0.5 * 0.5 / 180)
+    assert torch.equal(attn.indexer_loss.values[0], kl_sum.float() * (0.5 / 180))
+    for (name, p), g in zip(attn.indexer.named_parameters(), grads, strict=True):
+        assert g is not None and torch.equal(p.grad, g), name
+
+
+def _layer_tensors(attn, x):
+    """What a DSA layer's forward hands its indexer loss: (q_resid, q, latent, top-k, lse), detached."""
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x)).detach()
+    q = torch.einsum("bthd,hdl->bthl", attn.q_b_proj(q_resid).view(*x.shape[:2], -1, attn.qk_head_dim), attn.absorbed_weights()[0]).detach()
+    latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)).detach()
+    topk = attn.indexer.select(attn.indexer.project(x, q_resid))
+    _, lse = sparse_attention_reference(q, latent, topk, scale=attn.scale, return_lse=True)
+    return q_resid, q, latent, topk, lse
+
+
+def test_a_piece_that_scores_no_query_returns_zero_gradients_for_every_parameter():
+    # Pieces' gradients are summed over ranks: each must hold one for the same parameters.
+    attn, x = _dsa_layer()
+    tensors = _layer_tensors(attn, x)
+    kw = dict(scale=attn.scale, grad_scale=0.1)
+    kl_all, every = il.sparse_loss_gradients(attn.indexer, x, *tensors, **kw)
+    kl_none, none = il.sparse_loss_gradients(attn.indexer, x, *tensors, rows=[], **kw)
+    assert kl_all > 0 and kl_none == 0
+    for g_all, g_none in zip(every, none, strict=True):
+        assert (g_all is None) == (g_none is None)
+        assert g_none is None or (g_none.shape == g_all.shape and not g_none.any())
+    assert all(g is not None for g in every)
+
+
+def _blocks_covered(blocks, block, length):
+    """Query positions of the chosen blocks, by the documented rule: block b holds [b*block, min((b+1)*block, length))."""
+    return torch.tensor([t for b in blocks for t in range(b * block, min((b + 1) * block, length))])
+
+
+def test_a_subset_of_query_blocks_is_the_reference_on_those_queries_over_their_count():
+    attn, x = _dsa_layer()
+    block, fraction, coeff = 16, 0.5, 0.5  # 90 queries: 6 blocks, the last of 10; ceil(0.5 * 6) = 3 scored
+    steps = {}
+    for step in range(40):
+        blocks = il.scored_blocks(90, fraction, block=block, seed=7, step=step, layer=0)
+        steps.setdefault(5 in blocks, (step, blocks))
+    for step, blocks in steps.values():  # with and without the short last block
+        attn.zero_grad(set_to_none=True)
+        attn.indexer_loss = IndexerLossSwitch(SPARSE, coeff, query_fraction=fraction, query_block=block, seed=7, step=step)
+        attn(x)[0].sum().backward()
+        got = {n: p.grad.clone() for n, p in attn.indexer.named_parameters()}
+        kl_value = attn.indexer_loss.values[0]
+
+        attn.zero_grad(set_to_none=True)
+        rows = _blocks_covered(blocks, block, 90)
+        assert len(blocks) == 3 and len(rows) == (42 if 5 in blocks else 48)
+        q_resid, q, latent, topk, lse = _layer_tensors(attn, x)
+        iq, pk, w = attn.indexer.project(x, q_resid)
+        cfg = attn.indexer.cfg
+        n_scored = 2 * len(rows)
+        kl, d_iq, d_pk, d_w = indexer_loss_reference(
+            iq[:, rows], pk, w[:, rows], q[:, rows], latent, topk[:, rows], lse[:, rows], kpool=cfg.kpool,
+            topk_pools=cfg.topk_pools, index_scale=cfg.head_dim**-0.5, scale=attn.scale, grad_scale=coeff / n_scored,
+        )
+        full_iq, full_w = torch.zeros_like(iq), torch.zeros_like(w)
+        full_iq[:, rows], full_w[:, rows] = d_iq, d_w
+        torch.autograd.backward([iq, pk, w], [full_iq, d_pk, full_w])
+        assert abs(kl_value.item() / (kl.sum().item() / n_scored) - 1) < 1e-6  # the mean over the scored queries
+        for name, p in attn.indexer.named_parameters():
+            assert _rel(got[name], p.grad) < 1e-10, name
+    assert len(steps) == 2
+
+
+def test_the_block_choice_is_a_function_of_seed_step_and_layer():
+    def draw(**kw):
+        return il.scored_blocks(**{"length": 512 * 1024, "fraction": 0.25, "block": 4096, "seed": 0, "step": 5, "layer": 3, **kw})
+
+    blocks = draw()
+    assert len(blocks) == 32 and blocks == sorted(set(blocks)) and 0 <= blocks[0] and blocks[-1] < 128
+    assert draw() == blocks  # the same on every rank, piece and resume
+    assert draw(step=6) != blocks and draw(layer=7) != blocks and draw(seed=1) != blocks
+    assert draw(fraction=1.0) == list(range(128))
+    assert il.scored_blocks(1000, 0.1, block=4096, seed=0, step=0, layer=0) == [0]  # shorter than a block: one block
+    assert len(il.scored_blocks(30 * 16, 0.1, block=16, seed=0, step=0, layer=0)) == 3  # 0.1 * 30 rounds to 3, not 4
+    assert len(il.scored_blocks(30 * 16, 0.11, block=16, seed=0, step=0, layer=0)) == 4  # ceil
+    assert len(il.scored_blocks(10 * 16, 1e-6, block=16, seed=0, step=0, layer=0)) == 1  # at least one
+    # Uniform over blocks: each one scored in ~a quarter of the steps (every block equally likely
+    # is what makes the subset's gradient an unbiased estimate of the full one).
+    counts = torch.zeros(16)
+    for step in range(2000):
+        counts[il.scored_blocks(16 * 64, 0.25, block=64, seed=0, step=step, layer=3)] += 1
+    assert ((counts / 2000 - 0.25).abs() < 0.04).all(), counts
+
+
 def test_dense_warmup_trains_only_the_indexer_in_a_no_grad_forward(tiny):
     tiny.zero_grad(set_to_none=True)
     switch = IndexerLossSwitch(DENSE, 1.0)

@@ -45,6 +45,8 @@ class Case:
     batch: int = 1
     uneven_n: bool = False  # N bases concentrated in the first part of the sequence
     indexer_loss: str = ""  # "", "sparse" or "dense": the indexer's KL loss switched on
+    query_fraction: float = 1.0  # the sparse KL's share of query blocks (of query_block queries)
+    query_block: int | None = None
     recall: bool = False  # measure the indexer's recall (genolong/model/indexer_recall.py)
     pin: bool = False  # replace each indexer's selections by the reference's
     balance: bool = True  # the indexer's scoring in zigzag blocks (genolong/parallel/context_dsa.py)
@@ -79,7 +81,8 @@ def switch_indexer(model, case: Case):
     from genolong.model.indexer_loss import IndexerLossSwitch
     from genolong.model.indexer_recall import RecallProbe
 
-    switch = IndexerLossSwitch(mode=case.indexer_loss, coeff=0.5) if case.indexer_loss else None
+    switch = IndexerLossSwitch(mode=case.indexer_loss, coeff=0.5, query_fraction=case.query_fraction,
+                               query_block=case.query_block, seed=2, step=1) if case.indexer_loss else None
     probe = RecallProbe(n_queries=64) if case.recall else None
     for module in model.modules():
         if getattr(module, "indexer", None) is not None and hasattr(module, "indexer_loss"):

@@ -23,6 +23,10 @@ from tests.parallel.tensor_expert_workers import rel_rmse, same_set_rows
 # Four processes on the shared 2-core machine: ~1-2 minutes per start.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
+# The indexer's KL on 3 of the 6 blocks of 96 queries (the last of 32): blocks cross the shards'
+# edges, and at cp=4 a shard may score none.
+SUBSET = {"query_fraction": 0.5, "query_block": 96}
+
 CP2 = [
     W.Case("tiny-state", kda_mode="state", pin=True, batch=2),
     W.Case("tiny-ulysses", kda_mode="ulysses", pin=True, balance=False),
@@ -33,12 +37,14 @@ CP2 = [
     W.Case("tiny-sparse-kl", indexer_loss="sparse", recall=True, pin=True),
     W.Case("tiny-dense-warmup", indexer_loss="dense"),
     W.Case("tiny-state-recompute", pin=True, memory=True, indexer_loss="sparse"),
+    W.Case("tiny-sparse-kl-subset", indexer_loss="sparse", pin=True, **SUBSET),
 ]
 CP4 = [
     W.Case("tiny-state", pin=True),
     W.Case("mini-ulysses-uneven", preset="mini", kda_mode="ulysses", pin=True, uneven_n=True, memory=True),
     W.Case("mini-state-bf16", preset="mini", dtype="bf16", pin=True),
     W.Case("tiny-sparse-kl", indexer_loss="sparse", recall=True, pin=True),
+    W.Case("tiny-sparse-kl-subset", indexer_loss="sparse", pin=True, **SUBSET),
 ]
 
 
@@ -140,6 +146,19 @@ def test_indexer_kl_loss_and_recall_equal_one_process(cp2, cp4):
             assert all(abs(r["recall"][k] - v) < 1e-5 for k, v in ref["recall"].items())
         indexer = [k for k in ref["grads"] if ".indexer." in k]
         assert indexer and all(rel_rmse(got[0]["grads"][k], ref["grads"][k]) < 1e-4 for k in indexer)
+
+
+def test_a_query_subset_of_the_kl_equals_one_process(cp2, cp4):
+    for refs, results in (cp2, cp4):
+        ref, every = refs["tiny-sparse-kl-subset"], refs["tiny-sparse-kl"]
+        assert ref["kl"].keys() == every["kl"].keys()
+        assert all(abs(ref["kl"][k] / every["kl"][k] - 1) > 1e-3 for k in ref["kl"])  # a subset's mean, not every query's
+        for r in results:
+            got = r["tiny-sparse-kl-subset"]
+            assert got["kl"].keys() == ref["kl"].keys() and all(_same_kl(got["kl"][k], v) for k, v in ref["kl"].items())
+        indexer = [k for k in ref["grads"] if ".indexer." in k]
+        got = results[0]["tiny-sparse-kl-subset"]
+        assert indexer and all(rel_rmse(got["grads"][k], ref["grads"][k]) < 1e-4 for k in indexer)
 
 
 def test_dense_warmup_trains_the_indexer_as_one_process(cp2):

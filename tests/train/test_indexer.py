@@ -2,6 +2,7 @@
 sparse stage updates everything, metrics, resume, accumulation, options and the optimizer."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ from typer.testing import CliRunner
 from genolong.cli import app
 from genolong.errors import GenolongError
 from genolong.model import GenoLongForCausalLM, from_pretrained, get_preset
+from genolong.model import indexer_loss as il
 from genolong.train import checkpoint as ck
 from genolong.train import loop
+from genolong.train.flags import ALL
 from genolong.train.indexer import IndexerTraining, is_indexer_parameter, trainable_parameters
 from genolong.train.metrics import read_jsonl
 from genolong.train.optim import MasterAdamW
@@ -69,6 +72,31 @@ def test_warmup_updates_only_the_indexer_then_everything_trains_and_resume_is_ex
     assert [line["indexer_phase"] for line in logged] == ["warmup", "warmup", "sparse"]
 
 
+def test_a_query_subset_is_drawn_per_step_and_the_same_on_resume(data, tmp_path, monkeypatch):
+    # Blocks of 16 queries: a 64-token window has 4, half of them scored each step.
+    monkeypatch.setattr(il, "QUERY_BLOCK", 16)
+    subset = dict(indexer_loss_coeff=1.0, indexer_loss_queries=0.5, seed=5, **COMMON)
+    drawn = []
+    real = il.scored_blocks
+
+    def spy(length, fraction, **kw):
+        drawn.append((length, fraction, kw))
+        return real(length, fraction, **kw)
+
+    monkeypatch.setattr(il, "scored_blocks", spy)
+    first = loop.train(tiny_options(data, tmp_path / "r", steps=3, stop_after=2, **subset))
+    second = loop.train(loop.load_run_options(tmp_path / "r", stop_after=None, progress=False))
+    # (drawn again when the recompute repeats the layer's forward: the same blocks)
+    assert sorted({(length, fraction, kw["block"], kw["seed"], kw["step"], kw["layer"]) for length, fraction, kw in drawn}) == [
+        (64, 0.5, 16, 5, step, 3) for step in range(3)
+    ]
+    straight = loop.train(tiny_options(data, tmp_path / "s", steps=3, **subset))
+    for key in ("loss", "grad_norm", "indexer_loss"):
+        assert [r[key] for r in straight] == [r[key] for r in first + second], key
+    every = loop.train(tiny_options(data, tmp_path / "a", steps=1, **{**subset, "indexer_loss_queries": 1.0}))
+    assert every[0]["loss"] == straight[0]["loss"] and every[0]["indexer_loss"] != straight[0]["indexer_loss"]
+
+
 def test_frozen_default_keeps_the_indexer_out_of_the_optimizer(data, tmp_path):
     assert TrainOptions().indexer_loss_coeff == 0
     records = loop.train(tiny_options(data, tmp_path / "f", steps=1, **COMMON))
@@ -103,6 +131,9 @@ def test_trainable_parameters_and_the_stage_of_each_step():
     assert all(not p.requires_grad for n, p in model.named_parameters() if is_indexer_parameter(n))
     trained = {n for n, _ in trainable_parameters(model, train_indexer=True)}
     assert {n for n, _ in model.named_parameters()} == trained
+    with pytest.raises(GenolongError, match=r"--indexer-loss-queries must be in \(0, 1\]"):
+        IndexerTraining(model, coeff=0.5, query_fraction=0.0)
+    assert str(il.QUERY_BLOCK) in ALL["indexer_loss_queries"].help  # --help names the block size
     stages = IndexerTraining(model, coeff=0.5, warmup_steps=2)
     assert [stages.phase(s) for s in range(4)] == ["warmup", "warmup", "sparse", "sparse"]
     assert IndexerTraining(model).phase(0) == "frozen"
@@ -138,10 +169,14 @@ def test_partial_steps_count_per_parameter_for_bias_correction():
         ({"indexer_warmup_steps": 3}, "--indexer-warmup-steps 3 trains the indexer, but --indexer-loss-coeff is 0"),
         ({"indexer_recall_every": -1}, "must be >= 0"),
         ({"indexer_loss_coeff": 1.0, "indexer_recall_queries": 0}, "--indexer-recall-queries must be >= 1"),
+        ({"indexer_loss_queries": 0.25}, "--indexer-loss-queries 0.25 subsamples the indexer's KL, but --indexer-loss-coeff is 0"),
+        ({"indexer_loss_coeff": 1.0, "indexer_loss_queries": 0.0}, "--indexer-loss-queries must be in (0, 1]"),
+        ({"indexer_loss_coeff": 1.0, "indexer_loss_queries": 1.5}, "--indexer-loss-queries must be in (0, 1]"),
+        ({"indexer_loss_coeff": 1.0, "indexer_loss_queries": float("nan")}, "--indexer-loss-queries must be in (0, 1]"),
     ],
 )
 def test_bad_indexer_options_are_one_line(data, tmp_path, change, message):
-    with pytest.raises(GenolongError, match=message.replace("-", r"\-")[:60]) as err:
+    with pytest.raises(GenolongError, match=re.escape(message[:60])) as err:
         loop.check_inputs(tiny_options(data, tmp_path / "x", **change))
     assert "\n" not in str(err.value)
 
@@ -151,9 +186,10 @@ def test_the_command_line_options_reach_the_run(data, tmp_path):
     result = CliRunner().invoke(app, [
         "finetune", "--data", str(data), "--out", str(out), "--steps", "1", "--preset", "tiny", "--seq", "64",
         "--device", "cpu", "--no-progress", "--indexer-loss-coeff", "0.5", "--indexer-warmup-steps", "1",
-        "--indexer-recall-every", "1", "--indexer-recall-queries", "8",
+        "--indexer-recall-every", "1", "--indexer-recall-queries", "8", "--indexer-loss-queries", "0.25",
     ])
     assert result.exit_code == 0, result.output
     options = TrainOptions.from_dict(json.loads((out / "options.json").read_text()))
-    assert (options.indexer_loss_coeff, options.indexer_warmup_steps, options.indexer_recall_every, options.indexer_recall_queries) == (0.5, 1, 1, 8)
+    assert (options.indexer_loss_coeff, options.indexer_warmup_steps, options.indexer_recall_every, options.indexer_recall_queries,
+            options.indexer_loss_queries) == (0.5, 1, 1, 8, 0.25)
     assert read_jsonl(out / ck.METRICS_FILE)[0]["indexer_phase"] == "warmup"

@@ -37,13 +37,13 @@ def base():
     return GenoLongForCausalLM(_config())
 
 
-def _step(model, *, indexer_loss=True, aux=0.01):
-    """One forward + backward of the LM loss with the indexer loss and the balance loss on ->
-    (loss, balance loss, {layer: indexer loss}, {name: grad})."""
+def _step(model, *, indexer_loss=True, aux=0.01, **switch):
+    """One forward + backward of the LM loss with the indexer loss (its switch's options `switch`)
+    and the balance loss on -> (loss, balance loss, {layer: indexer loss}, {name: grad})."""
     switches = {}
     for name, m in model.named_modules():
         if type(m).__name__ == "DSAAttention" and m.indexer is not None and indexer_loss:
-            m.indexer_loss = switches[m.layer_idx] = IndexerLossSwitch(SPARSE, 0.5)
+            m.indexer_loss = switches[m.layer_idx] = IndexerLossSwitch(SPARSE, 0.5, **switch)
     balancer = ExpertBalancer(model, aux_loss_coeff=aux)
     balancer.begin_step(BATCH * T, T)
     ids = torch.randint(0, 5, (BATCH, T + 1), generator=torch.Generator().manual_seed(1))
@@ -93,6 +93,19 @@ def test_tiled_equals_untiled_under_recompute(base, untiled, tile):
     # per layer: each tile's function in the forward and again in backward; a DSA layer runs two chains
     dsa = len(_config().dsa_layers)
     assert sum(w.tiles_run for w in handle.recompute) == 2 * tiles * (len(handle.recompute) + dsa)
+
+
+def test_tiles_score_the_query_blocks_the_whole_sequence_scores(base, untiled):
+    # Blocks of 32 queries (the last of 22), half of them scored: tiles of 48 cut blocks in two, and
+    # the tiles must score exactly the whole sequence's blocks, normalised by the whole's count.
+    subset = dict(query_fraction=0.5, query_block=32, seed=3, step=11)
+    plain = copy.deepcopy(base)
+    apply_memory_optimizations(plain, MemoryOptions(offload=False, keep_sparse="off", moe_chunking=False))
+    whole = _step(plain, **subset)
+    assert all(abs(whole[2][i] / untiled[2][i] - 1) > 1e-3 for i in whole[2])  # a subset, not every query
+    tiled = copy.deepcopy(base)
+    apply_memory_optimizations(tiled, MemoryOptions(offload=False, keep_sparse="off", tile_tokens=48))
+    _assert_same(whole, _step(tiled, **subset))
 
 
 def test_tiled_equals_untiled_without_checkpoints(base, untiled):
