@@ -38,7 +38,7 @@
 # Settings (environment, defaults for one H200): ASSEMBLY (arenosa), FASTA / TRAIN / HOLDOUT, PRESET
 # (glm53-mini), LAYERS (8), COPY_SEQ (4k), COPY_BATCH (16), COPY_STEPS (600), COPY_TOPK (32), COPY_LR
 # (1e-3), WIDE_SEQ (32k), WIDE_BATCH (2), WIDE_STEPS (150), OWN_SEQ (64k), OWN_STEPS (100), SEQ (512k),
-# STEPS (12), SHORT_SEQ (32k; empty: no short stage), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
+# STEPS (12), SHORT_SEQ (32k; empty: no short stage), INDEXER_COEFF (1: the indexer's KL weight in every stage; 0 freezes it), INDEXER_QUERIES (unset: every query; F: the share of query blocks the indexer's KL scores in the own, long and short stages), K (12: the oracle's k-mer), BUCKET (32k), CONTROL (32k), CONTROLS
 # (truncated,shuffled), MUTATE (unset: exact planted copies; e.g. 0.05: diverged ones), CONTROLS_AT (late: the controls re-score the last bucket only; all), BASELINE (the positional baseline: a run or model directory), MAX_WINDOWS (20), RECALL_WINDOWS (16), UNTIL (the last stage to run: prepare, copy, widen, own,
 # long, short, positional, recall), MEMORY_FLAGS (memory flags of the copy and widen stages), FINETUNE_FLAGS (every
 # stage), TAG (longrange).
@@ -65,6 +65,7 @@ SEQ=${SEQ:-512k}
 STEPS=${STEPS:-12}
 SHORT_SEQ=${SHORT_SEQ-32k}
 INDEXER_COEFF=${INDEXER_COEFF:-1}
+INDEXER_QUERIES=${INDEXER_QUERIES:-}
 K=${K:-12}
 BUCKET=${BUCKET:-32k}
 CONTROL=${CONTROL:-32k}
@@ -119,22 +120,27 @@ finetune_or_resume "$RUNS-widen" "$WIDE_STEPS" --model "$RUNS-copy/model" --seq 
 model_of "$RUNS-widen" "$WIDE_STEPS" "$RUNS-widen/model"
 done_if widen
 
+# The query subset of the indexer's KL (finetune --indexer-loss-queries) in the own, long and short
+# stages; a 4k copy window is only two 2048-query blocks, and a frozen arm has no loss to subsample.
+IDX_QUERIES=""
+if [ -n "$INDEXER_QUERIES" ] && [ "$INDEXER_COEFF" != 0 ]; then IDX_QUERIES="--indexer-loss-queries $INDEXER_QUERIES"; fi
+
 stage "4/8 own selection: $OWN_STEPS steps at $OWN_SEQ, no oracle, indexer coefficient $INDEXER_COEFF -> $RUNS-own"
 finetune_or_resume "$RUNS-own" "$OWN_STEPS" --model "$RUNS-widen/model" --seq "$OWN_SEQ" --lr 3e-4 --warmup "$(warm 10 "$OWN_STEPS")" --save-every 50 \
-    --indexer-loss-coeff "$INDEXER_COEFF" --planted-repeats "$(plant "$OWN_SEQ" 16)" $FINETUNE_FLAGS
+    --indexer-loss-coeff "$INDEXER_COEFF" $IDX_QUERIES --planted-repeats "$(plant "$OWN_SEQ" 16)" $FINETUNE_FLAGS
 model_of "$RUNS-own" "$OWN_STEPS" "$RUNS-own/model"
 done_if own
 
 stage "5/8 long: $STEPS steps at $SEQ on real DNA, indexer coefficient $INDEXER_COEFF -> $RUNS-long"
 finetune_or_resume "$RUNS-long" "$STEPS" --model "$RUNS-own/model" --seq "$SEQ" --lr 1e-4 --warmup "$(warm 5 "$STEPS")" --save-every 10 \
-    --indexer-loss-coeff "$INDEXER_COEFF" $FINETUNE_FLAGS
+    --indexer-loss-coeff "$INDEXER_COEFF" $IDX_QUERIES $FINETUNE_FLAGS
 done_if long
 
 if [ -z "$BASELINE" ] && [ -n "$SHORT_SEQ" ]; then
     short_batch=$(( $(bases "$SEQ") / $(bases "$SHORT_SEQ") ))
     stage "6/8 short: the comparison arm, $STEPS steps of $short_batch x $SHORT_SEQ (the long stage's tokens in short windows) -> $RUNS-short"
     finetune_or_resume "$RUNS-short" "$STEPS" --model "$RUNS-own/model" --seq "$SHORT_SEQ" --batch "$short_batch" --lr 1e-4 \
-        --warmup "$(warm 5 "$STEPS")" --save-every 10 --indexer-loss-coeff "$INDEXER_COEFF" $FINETUNE_FLAGS
+        --warmup "$(warm 5 "$STEPS")" --save-every 10 --indexer-loss-coeff "$INDEXER_COEFF" $IDX_QUERIES $FINETUNE_FLAGS
     BASELINE=$RUNS-short
 fi
 done_if short
