@@ -7,9 +7,8 @@ import queue as queue_module
 import traceback
 
 import pytest
-import torch.multiprocessing as mp
 
-from tests.parallel.harness import free_port, run_ranks
+from tests.parallel.harness import context, free_port, run_ranks
 
 
 def _save_rank(rank, world, port, root, die, results):
@@ -42,7 +41,7 @@ def _save_rank(rank, world, port, root, die, results):
 
 @pytest.mark.parametrize("die", ["inside_dcp", "after_dcp"])
 def test_a_rank_dying_mid_save_leaves_no_checkpoint(tmp_path, die):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_save_rank, args=(r, 2, port, str(tmp_path), die, results), daemon=True) for r in range(2)]
