@@ -12,7 +12,27 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def _seconds(item) -> float:
+    """A test's rough cost on the 2-core CPU machine: `slow(seconds=N)`, 10 for a bare `slow`, else 0."""
+    mark = item.get_closest_marker("slow")
+    return 0.0 if mark is None else float(mark.kwargs.get("seconds", 10))
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config, items):
+    # The modules with the longest tests first, the longest first; each module's tests stay together
+    # and in their order, so a module fixture is not built again. `--dist worksteal` gives the first
+    # half of this order to one worker and the second to the other, and an idle worker steals the back
+    # half of the other's queue: the long tests start at once and both workers end on short ones. In
+    # file order a 100 s test could start last and run alone.
+    cost = {}
+    for item in items:
+        cost[_file(item)] = max(cost.get(_file(item), 0.0), _seconds(item))
+    items.sort(key=lambda item: cost[_file(item)], reverse=True)  # stable: ties keep the file order
+
     try:
         import torch
 

@@ -53,7 +53,7 @@ def _same_indexer(tree, tag):
     return all(torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 def test_the_frozen_arm_keeps_the_indexer_in_every_stage(tmp_path):
     # The fewest steps that still pass through every stage up to own: the check is the indexer's weights.
     tree = _tree(tmp_path)
@@ -62,7 +62,7 @@ def test_the_frozen_arm_keeps_the_indexer_in_every_stage(tmp_path):
     assert _same_indexer(tree, "lr-frozen"), "INDEXER_COEFF=0 left the indexer training"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=70)
 def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
     tree = _tree(tmp_path)
     log = _pipeline(tree, TAG="lr")

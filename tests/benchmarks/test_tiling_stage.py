@@ -68,6 +68,7 @@ def _info(tmp_path, name):
     return json.loads((tmp_path / "out" / "tiling" / name / "info.json").read_text())
 
 
+@pytest.mark.slow(seconds=20)
 def test_the_stage_stops_cuts_retries_skips_and_collects(tmp_path):
     done = _stage(tmp_path, 20, "1m eval1m 512k-tiled 512k-whole", FAKE_SLOW="512k-whole", FAKE_REFUSE="pinned")
     assert done.returncode == 0, done.stderr

@@ -220,7 +220,7 @@ for resident in (True, False):
 """
 
 
-@pytest.mark.slow  # ~1 min of CPU: each v2 selection runs up to 32 search steps, element by element, in the interpreter
+@pytest.mark.slow(seconds=45)  # ~1 min of CPU: each v2 selection runs up to 32 search steps, element by element, in the interpreter
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_passes_in_the_interpreter_select_like_the_reference():
     # Triton's CPU interpreter runs the kernels' own code (fp16: the interpreter has no bf16).

@@ -60,6 +60,7 @@ for name, (kw, budget) in CASES.items():
 """
 
 
+@pytest.mark.slow(seconds=25)
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_in_the_interpreter_match_the_reference_values_and_gradients():
     env = {**os.environ, "TRITON_INTERPRET": "1"}

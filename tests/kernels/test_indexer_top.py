@@ -76,6 +76,7 @@ print("MISMATCHED", bad)
 
 
 @needs_triton
+@pytest.mark.slow(seconds=15)
 def test_the_top_k_chooses_what_a_stable_sort_chooses():
     run = run_script(_INTERPRETED)
     assert "MISMATCHED []" in run.stdout, run.stdout + run.stderr[-3000:]

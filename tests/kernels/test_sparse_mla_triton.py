@@ -175,7 +175,7 @@ def interpreted():
 
 
 @needs_triton
-@pytest.mark.slow  # one interpreter process for all cases: ~25 s of CPU
+@pytest.mark.slow(seconds=70)  # one interpreter process for all cases
 @pytest.mark.parametrize("name", list(CASES))
 def test_interpreted_kernels_match_the_reference(interpreted, name):
     r, tol = interpreted[name], TOLERANCE[CASES[name]["dtype"]]

@@ -35,8 +35,8 @@ from genolong.vocab import DNA_MODEL_VOCAB_SIZE
 from tests.parallel.harness import run_ranks
 from tests.train._helpers import prepared_genome, tiny_options
 
-# Eight gloo processes on a shared 2-core machine: ~2-4 minutes.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+# Eight gloo processes on a shared 2-core machine: ~45 s alone, more beside other tests.
+pytestmark = [pytest.mark.slow(seconds=50), pytest.mark.usefixtures("one_thread")]
 
 SEQ = 256  # cp x tp (the resume) needs whole 64-token KDA chunks on each of 2 x 2 ranks
 BATCH = 4  # one sequence per batch rank (dp x fsdp x ep = 4), each split over cp = 2

@@ -256,7 +256,7 @@ def _from_scratch_loads(genome, rate: float, steps: int = 200) -> list[float]:
     return loads
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=55)
 def test_from_scratch_the_routing_collapses_early_and_the_bias_rule_undoes_it(ecoli_dna):
     """Early in a from-scratch run every token looks alike to the routers (the model has only
     learnt base frequencies and their inputs share one direction), so all tokens pick the same
