@@ -62,7 +62,7 @@ def test_the_frozen_arm_keeps_the_indexer_in_every_stage(tmp_path):
     assert _same_indexer(tree, "lr-frozen"), "INDEXER_COEFF=0 left the indexer training"
 
 
-@pytest.mark.slow(seconds=70)
+@pytest.mark.slow(seconds=95)
 def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
     tree = _tree(tmp_path)
     log = _pipeline(tree, TAG="lr")
