@@ -34,7 +34,9 @@ def free_port() -> int:
 
 
 def context():
-    """The fork server's multiprocessing context (its server shared by every call in this process)."""
+    """The fork server's multiprocessing context (its server shared by every call in this process).
+    A process started from it has the server's environment and working directory; run_ranks passes
+    the caller's."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
