@@ -57,7 +57,10 @@ def _same_indexer(tree, tag):
 def test_the_frozen_arm_keeps_the_indexer_in_every_stage(tmp_path):
     # The fewest steps that still pass through every stage up to own: the check is the indexer's weights.
     tree = _tree(tmp_path)
-    frozen = _pipeline(tree, INDEXER_COEFF="0", TAG="lr-frozen", UNTIL="own", COPY_STEPS="2", WIDE_STEPS="1", OWN_STEPS="1")
+    # INDEXER_QUERIES reaches both arms from the two-arm script: the frozen arm has no loss to subsample
+    # (finetune refuses the flag with a frozen indexer), so the pipeline must leave it out there.
+    frozen = _pipeline(tree, INDEXER_COEFF="0", INDEXER_QUERIES="0.5", TAG="lr-frozen", UNTIL="own", COPY_STEPS="2",
+                       WIDE_STEPS="1", OWN_STEPS="1")
     assert "done (UNTIL=own)" in frozen
     assert _same_indexer(tree, "lr-frozen"), "INDEXER_COEFF=0 left the indexer training"
 
@@ -65,7 +68,7 @@ def test_the_frozen_arm_keeps_the_indexer_in_every_stage(tmp_path):
 @pytest.mark.slow(seconds=95)
 def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
     tree = _tree(tmp_path)
-    log = _pipeline(tree, TAG="lr")
+    log = _pipeline(tree, TAG="lr", INDEXER_QUERIES="0.5")
     for n in range(1, 9):
         assert f"] {n}/8 " in log
     assert "6/8 short: the comparison arm, 2 steps of 4 x 1k" in log
@@ -81,9 +84,13 @@ def test_the_cpu_sized_pipeline_runs_every_stage_and_resumes(tmp_path):
     recall = json.loads((tree / "eval/lr-recall/recall.json").read_text())
     assert recall["windows"] or recall.get("n_windows")
     assert not _same_indexer(tree, "lr")  # the trained arm's indexer learns
+    # the query subset reaches the stages after the oracle's, and only those
+    queries = {stage: json.loads((tree / f"runs/lr-{stage}/options.json").read_text())["indexer_loss_queries"]
+               for stage in ("copy", "widen", "own", "long", "short")}
+    assert queries == {"copy": 1.0, "widen": 1.0, "own": 0.5, "long": 0.5, "short": 0.5}
 
     # A rerun: every training stage is skipped, the evaluations are reused.
-    again = _pipeline(tree, TAG="lr")
+    again = _pipeline(tree, TAG="lr", INDEXER_QUERIES="0.5")
     assert again.count("finished") >= 5 and "step 1/" not in again
 
     # A short stage that cannot read the long stage's tokens is refused in one line, before any stage.
