@@ -19,6 +19,9 @@ then recompute and offload (they wrap whole layers):
 - recompute: `Recompute(DecoderLayer)` (genolong.train.recompute): whole layers under a
   non-reentrant checkpoint; with `tile_tokens`, `Tiled(DecoderLayer)` (genolong.train.tiling)
   instead: each layer in checkpointed sequence tiles (and the MoE is not chunked: a tile bounds it).
+- layer_inputs="fp8": the `Offload` wrappers' HostOffloader stores every checkpointed input (offloaded
+  or kept on the device) as fp8 e4m3 with per-row scales; without offload it is there for that alone,
+  every layer's input kept on the device.
 - offload: `Offload(Recompute(...))` (genolong.train.offload): the checkpointed input goes to a
   HostOffloader's host pool. `offload_layers=None` decides per sequence length, at the first
   layer of a forward: the fewest layers that make the plan (genolong.train.plan) fit the GPU
@@ -152,6 +155,7 @@ class MemoryHandle:
             "mhc_fp32_input": not self.opts.mhc_low_precision,
             "pinned": self.opts.offload_pinned,
             "overlap": self.opts.offload_overlap,
+            "layer_inputs": self.offloader.storage if self.offloader is not None else "bf16",
             "keep_sparse": self.keep.where if self.keep is not None and self.opts.kept_where() else "off",
             "keep_moe": self.keep.where if self.keep is not None and KEPT_MOE in self.keep.ops else "off",
         }
@@ -177,7 +181,7 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
         _wrap_all(model, _hyper_connection_class(), Fp32InputMHC)
     if opts.recompute:
         handle.recompute = apply_tiling(model, opts.tile_tokens) if tiled else apply_recompute(model)
-        if opts.offload:
+        if opts.offload or opts.layer_inputs == "fp8":  # (fp8 storage without offload: every input kept, in fp8)
             _apply_offload(handle, model, opts)
         where = opts.kept_where() or opts.kept_moe_where()
         kept_ops = (*(frames.keepable_ops() if opts.kept_where() else ()), *((KEPT_MOE,) if opts.keeps_moe() else ()))
@@ -193,12 +197,13 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
 def _apply_offload(handle: MemoryHandle, model: torch.nn.Module, opts: MemoryOptions) -> None:
     body = decoder_body(model)
     opts.check_layers(len(body.layers))
-    budgeted = opts.offload_layers is None
+    budgeted = opts.offload and opts.offload_layers is None
     handle.offloader = HostOffloader(
-        layers=() if budgeted else range(opts.offload_layers),
+        layers=() if budgeted or not opts.offload else range(opts.offload_layers),
         pinned=opts.offload_pinned,
         overlap=opts.offload_overlap,
         host_budget_bytes=int(opts.host_budget_gib * 2**30) if opts.host_budget_gib is not None else None,
+        storage=opts.layer_inputs,
     )
     decide = OffloadBudget(body.config, opts) if budgeted else None
     for i in range(len(body.layers)):
