@@ -60,7 +60,7 @@ def train(args, pg, arm: str, seed: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        curve.append(float(loss))
+        curve.append(loss.detach().item())
     stored = handle.stats.quantized_bytes if arm == "fp8" else handle.stats.bytes_down  # the last step's
     held = WindowSampler(pg, "holdout", length=args.seq + 1, seed=7)
     with torch.no_grad():
