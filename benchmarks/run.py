@@ -74,6 +74,7 @@ REGISTRY: dict[str, Benchmark] = {
     # CPU.
     "cpu": Benchmark("bench_cpu.py", "cpu", "the tiny preset on the reference ops: fwd+bwd and training throughput"),
     "indexer_subset": Benchmark("bench_indexer_subset.py", "cpu", "the indexer's learning at equal steps with its KL on every query vs a random share of query blocks"),
+    "layer_inputs": Benchmark("bench_layer_inputs.py", "cpu", "the loss curve with the saved layer inputs stored in fp8 vs exact, paired by seed"),
     "cpu_plan": Benchmark("cpu_memory_plan.py", "cpu", "the CPU pre-flight plan against the RAM a training step takes"),
     "prepare": Benchmark("bench_prepare.py", "cpu", "`genolong prepare` speed and memory on an hg38-sized FASTA", None),
     "plan_table": Benchmark("plan_parallel_table.py", "cpu", "docs/parallel.md's plan table: glm-5.3-flash at 1M tokens on 16-64 GPUs", None),

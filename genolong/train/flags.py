@@ -138,6 +138,9 @@ MEMORY = flag_section(
     Flag("tile", str, "auto", "Each layer runs the sequence in checkpointed tiles of this many tokens (KDA state carried, DSA "
          "queries against the whole keys; the MoE per tile, unchunked). auto: on CUDA, the longest tile that "
          "makes the plan fit when whole layers do not; off: whole layers.", panel=MEMORY_PANEL),
+    Flag("layer_inputs", str, "bf16", "How recompute stores each layer's input until backward (on the GPU or offloaded): bf16 (as it "
+         "is, exact) or fp8 (e4m3 with one fp32 scale per row of hidden: about half the bytes; lossy: backward recomputes "
+         "from the rebuilt input).", panel=MEMORY_PANEL, target="memory.layer_inputs"),
     _switch("keep_moe", False, "Under recompute, keep each chunked MoE's output from the forward: two MoE "
             "forwards a step instead of three, for hidden x 2 bytes a token and MoE layer "
             "where --keep-sparse keeps (opt-in: -0.14 s of a 6.5 s 128k step on an H100; +5 GiB pinned at 128k, +21 at 512k).",

@@ -19,6 +19,9 @@ then recompute and offload (they wrap whole layers):
 - recompute: `Recompute(DecoderLayer)` (genolong.train.recompute): whole layers under a
   non-reentrant checkpoint; with `tile_tokens`, `Tiled(DecoderLayer)` (genolong.train.tiling)
   instead: each layer in checkpointed sequence tiles (and the MoE is not chunked: a tile bounds it).
+- layer_inputs="fp8": the `Offload` wrappers' HostOffloader stores every checkpointed input (offloaded
+  or kept on the device) as fp8 e4m3 with per-row scales; without offload it is there for that alone,
+  every layer's input kept on the device.
 - offload: `Offload(Recompute(...))` (genolong.train.offload): the checkpointed input goes to a
   HostOffloader's host pool. `offload_layers=None` decides per sequence length, at the first
   layer of a forward: the fewest layers that make the plan (genolong.train.plan) fit the GPU
@@ -40,8 +43,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from genolong.model import frames
+from genolong.model import frames, ops
 from genolong.train.keep import KeptResults
 from genolong.train.keep_moe import KEPT_OP as KEPT_MOE
 from genolong.train.keep_moe import kept_moe_output
@@ -81,6 +85,51 @@ class ChunkedMoE(ModuleWrapper):
 
     def extra_repr(self) -> str:
         return f"chunk_tokens={self.chunk_tokens}, each chunk checkpointed"
+
+
+class _ExpertsFromInputs(torch.autograd.Function):
+    """The experts op saving only its inputs (x, topk_idx, topk_w: shapes fixed by the token count) and
+    running again with autograd in backward, under the kernel policy of its forward."""
+
+    @staticmethod
+    def forward(ctx, experts, policy, x, topk_idx, topk_w, *params):
+        ctx.experts, ctx.policy, ctx.params = experts, policy, params
+        ctx.save_for_backward(x, topk_idx, topk_w)
+        return experts(x, topk_idx, topk_w)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, topk_idx, topk_w = ctx.saved_tensors
+        wants = ctx.needs_input_grad
+        with torch.enable_grad(), ops.policy(ctx.policy):
+            xs, ws = x.detach().requires_grad_(wants[2]), topk_w.detach().requires_grad_(wants[4])
+            out = ctx.experts(xs, topk_idx, ws)
+            inputs = [t for t, want in zip((xs, ws, *ctx.params), (wants[2], wants[4], *wants[5:])) if want]
+            got = iter(torch.autograd.grad(out, inputs, grad, allow_unused=True))
+        grads = [next(got) if want else None for want in (wants[2], wants[4], *wants[5:])]
+        return (None, None, grads[0], None, grads[1], *grads[2:])
+
+
+class RoutingFreeSaves(ModuleWrapper):
+    """The wrapped routed experts whose saves for backward do not depend on the routing (fp8 layer inputs).
+
+    With fp8 storage, backward's recompute reads a rebuilt input, and the router can pick other experts
+    for a few tokens than it did in the forward. The reference "moe_experts" op saves one tensor per
+    expert that received tokens, of that expert's row count, and torch's checkpoint refuses a recompute
+    whose saves differ in shape from the forward's. Under this wrapper the op saves its inputs instead
+    and runs again in backward (the grouped GPU op's saves are fixed by the token count: it passes
+    through). Either way backward follows the recompute's routing."""
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        policy = ops.active()
+        if not torch.is_grad_enabled() or (x.is_cuda and policy.name != ops.REFERENCE):
+            return self.wrapped(x, topk_idx, topk_w)
+        params = tuple(p for p in self.wrapped.parameters() if p.requires_grad)
+        return _ExpertsFromInputs.apply(self.wrapped, policy, x, topk_idx, topk_w, *params)
+
+    def extra_repr(self) -> str:
+        return "saves its inputs and runs again in backward (the reference op; fp8 layer inputs)"
 
 
 class Fp32InputMHC(ModuleWrapper):
@@ -152,13 +201,14 @@ class MemoryHandle:
             "mhc_fp32_input": not self.opts.mhc_low_precision,
             "pinned": self.opts.offload_pinned,
             "overlap": self.opts.offload_overlap,
+            "layer_inputs": self.offloader.storage if self.offloader is not None else "bf16",
             "keep_sparse": self.keep.where if self.keep is not None and self.opts.kept_where() else "off",
             "keep_moe": self.keep.where if self.keep is not None and KEPT_MOE in self.keep.ops else "off",
         }
 
     def remove(self) -> None:
         """Undo every wrapper (the model runs exactly as built again) and free the host pool."""
-        for kind in (Offload, Recompute, ChunkedMoE, Fp32InputMHC):
+        for kind in (Offload, Recompute, ChunkedMoE, Fp32InputMHC, RoutingFreeSaves):
             unwrap(self.model, kind)
         self.recompute = []
         self.keep = None
@@ -175,9 +225,11 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
         _wrap_all(model, _moe_class(), ChunkedMoE, chunk_tokens=opts.moe_chunk_tokens)
     if not opts.mhc_low_precision:
         _wrap_all(model, _hyper_connection_class(), Fp32InputMHC)
+    if opts.recompute and opts.layer_inputs == "fp8":
+        _wrap_all(model, _experts_class(), RoutingFreeSaves)
     if opts.recompute:
         handle.recompute = apply_tiling(model, opts.tile_tokens) if tiled else apply_recompute(model)
-        if opts.offload:
+        if opts.offload or opts.layer_inputs == "fp8":  # (fp8 storage without offload: every input kept, in fp8)
             _apply_offload(handle, model, opts)
         where = opts.kept_where() or opts.kept_moe_where()
         kept_ops = (*(frames.keepable_ops() if opts.kept_where() else ()), *((KEPT_MOE,) if opts.keeps_moe() else ()))
@@ -193,12 +245,13 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
 def _apply_offload(handle: MemoryHandle, model: torch.nn.Module, opts: MemoryOptions) -> None:
     body = decoder_body(model)
     opts.check_layers(len(body.layers))
-    budgeted = opts.offload_layers is None
+    budgeted = opts.offload and opts.offload_layers is None
     handle.offloader = HostOffloader(
-        layers=() if budgeted else range(opts.offload_layers),
+        layers=() if budgeted or not opts.offload else range(opts.offload_layers),
         pinned=opts.offload_pinned,
         overlap=opts.offload_overlap,
         host_budget_bytes=int(opts.host_budget_gib * 2**30) if opts.host_budget_gib is not None else None,
+        storage=opts.layer_inputs,
     )
     decide = OffloadBudget(body.config, opts) if budgeted else None
     for i in range(len(body.layers)):
@@ -242,6 +295,12 @@ def _moe_class() -> type:
     from genolong.model.moe import MoE
 
     return MoE
+
+
+def _experts_class() -> type:
+    from genolong.model.moe import Experts
+
+    return Experts
 
 
 def _hyper_connection_class() -> type:

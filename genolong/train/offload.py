@@ -24,6 +24,14 @@ the host RAM that is the limit here. A buffer returns to the pool when the saved
 holds it is freed (after its backward), so `pinned_bytes()` (live offloaded data) is back to 0
 after every step and the pool (`reserved_bytes()`) stays the same size from step to step.
 
+Storage (`storage="fp8"`, finetune's `--layer-inputs fp8`): every layer input the hooks pack, kept on
+the device or sent to the host, is stored as float8_e4m3fn with one float32 scale per row
+(genolong.train.fp8_rows: 1 byte an element plus 4 a row, about half of bf16) and rebuilt in its own
+dtype at unpack. On CUDA the quantization runs on the compute stream before the download (the host
+buffer holds the fp8 bytes and scales) and the dequantization on the compute stream after the
+upload. Only the layer-input chain is stored so; `park()`ed results (genolong.train.keep) stay exact.
+The forward is unchanged (it ran on the exact input); backward's recompute runs on the rebuilt one.
+
 On a machine without CUDA the same code runs with pageable buffers and plain copies, so the
 CPU tests exercise packing, the pool, prefetch order and release.
 """
@@ -38,12 +46,14 @@ from dataclasses import dataclass, field
 import torch
 
 from genolong.errors import GenolongError
+from genolong.train.fp8_rows import pack_fp8, packed_nbytes, quantizable, unpack_fp8
 from genolong.train.wrapper import ModuleWrapper
 
 # Tensors below this size are not worth a copy (the checkpoint also saves tiny bookkeeping
 # tensors); they stay where they are.
 MIN_OFFLOAD_BYTES = 64 * 1024
 _PAGE = 4096
+STORAGE_CHOICES = ("bf16", "fp8")
 
 
 @dataclass(eq=False)
@@ -69,13 +79,23 @@ class _Saved:
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
+    fp8: bool = False  # the host copy is genolong.train.fp8_rows' packing, not the tensor's bytes
     copied: object | None = None  # event: the download has finished
     uploaded: object | None = None  # event: the prefetched upload has finished
-    prefetched: torch.Tensor | None = None
+    prefetched: torch.Tensor | None = None  # as stored (the fp8 packing in fp8 storage)
+
+    def stored_nbytes(self) -> int:
+        return packed_bytes(self.shape, self.dtype, self.fp8)
 
     def host_view(self) -> torch.Tensor:
-        nbytes = _nbytes(self.shape, self.dtype)
+        """The host copy as stored: the tensor itself, or its fp8 packing (flat uint8)."""
+        nbytes = self.stored_nbytes()
+        if self.fp8:
+            return self.buffer.data[:nbytes]
         return self.buffer.data[:nbytes].view(self.dtype).view(self.shape)
+
+    def rebuild(self, stored: torch.Tensor) -> torch.Tensor:
+        return unpack_fp8(stored, self.shape, self.dtype) if self.fp8 else stored
 
 
 @dataclass(eq=False)
@@ -83,7 +103,11 @@ class _Kept:
     """What pack returns for a tensor that stays on the device (a layer that does not offload)."""
 
     order: int
-    tensor: torch.Tensor
+    tensor: torch.Tensor  # the tensor itself, or in fp8 storage its packing (flat uint8)
+    fp8: tuple[torch.Size, torch.dtype] | None = None  # (shape, dtype) to rebuild from the packing
+
+    def value(self) -> torch.Tensor:
+        return self.tensor if self.fp8 is None else unpack_fp8(self.tensor, *self.fp8)
 
 
 @dataclass
@@ -95,6 +119,8 @@ class OffloadStats:
     bytes_up: int = 0
     peak_pinned_bytes: int = 0
     layers: set[int] = field(default_factory=set)
+    quantized: int = 0  # layer inputs stored in fp8 (kept on the device or offloaded)
+    quantized_bytes: int = 0  # their fp8 bytes and scales
 
 
 class HostOffloader:
@@ -104,6 +130,8 @@ class HostOffloader:
     pinned: page-locked buffers (only meaningful with CUDA); False = pageable, for the ablation.
     overlap: copies on their own streams with prefetch; False = on the compute stream, in place.
     host_budget_bytes: refuse to grow the pool beyond this (host RAM is the limit at 512k+).
+    storage: "bf16" keeps each layer input as it is (exact); "fp8" stores every one (on the device or
+      on the host) as float8_e4m3fn with per-row scales (module doc).
     """
 
     def __init__(
@@ -114,8 +142,12 @@ class HostOffloader:
         overlap: bool = True,
         host_budget_bytes: int | None = None,
         min_bytes: int = MIN_OFFLOAD_BYTES,
+        storage: str = "bf16",
     ) -> None:
+        if storage not in STORAGE_CHOICES:
+            raise GenolongError(f"layer-input storage must be one of {', '.join(STORAGE_CHOICES)}, got {storage!r}")
         self.layers = None if layers is None else frozenset(layers)
+        self.storage = storage
         self.pinned = pinned
         self.overlap = overlap
         self.host_budget_bytes = host_budget_bytes
@@ -189,7 +221,7 @@ class HostOffloader:
 
     def take(self, entry) -> torch.Tensor:
         """A parked tensor back on its device (waits for its upload on the current stream)."""
-        return entry.tensor if isinstance(entry, _Kept) else self._fetch(entry)
+        return entry.value() if isinstance(entry, _Kept) else self._fetch(entry)
 
     # -- pack / unpack ----------------------------------------------------------------------------
 
@@ -198,7 +230,8 @@ class HostOffloader:
         if key is not None and key in seen and seen[key]() is not None:
             return seen[key]()
         entry = self._pack_new(t, layer_idx, offload, chained)
-        if key is not None and isinstance(entry, _Saved):
+        # (a _Kept entry in bf16 storage is the tensor itself: nothing to copy twice)
+        if key is not None and (isinstance(entry, _Saved) or entry.fp8 is not None):
             seen[key] = weakref.ref(entry)
         return entry
 
@@ -206,13 +239,23 @@ class HostOffloader:
         order = self._order
         self._order += 1
         nbytes = t.numel() * t.element_size()
-        if not offload or nbytes < self.min_bytes or isinstance(t, torch.nn.Parameter) or t.device.type not in ("cuda", "cpu"):
-            entry = _Kept(order, t)
+        exempt = nbytes < self.min_bytes or isinstance(t, torch.nn.Parameter) or t.device.type not in ("cuda", "cpu")
+        # Only the layer-input chain is stored in fp8, never a parked result (chained=False).
+        fp8 = chained and self.storage == "fp8" and not exempt and quantizable(t)
+        stored = t
+        if fp8:
+            # On the compute stream (the current one): the download below waits for it like for any producer.
+            stored = pack_fp8(t)
+            nbytes = stored.numel()
+            self.stats.quantized += 1
+            self.stats.quantized_bytes += nbytes
+        if not offload or exempt:
+            entry = _Kept(order, stored, (t.shape, t.dtype) if fp8 else None)
             if chained:
                 self._entries.append(weakref.ref(entry))
             return entry
         buf = self._take(nbytes, t.device)
-        saved = _Saved(order, layer_idx, buf, t.shape, t.dtype, t.device)
+        saved = _Saved(order, layer_idx, buf, t.shape, t.dtype, t.device, fp8=fp8)
         host = saved.host_view()
         if t.device.type == "cuda" and self.overlap:
             down, _ = self._stream_pair(t.device)
@@ -221,13 +264,13 @@ class HostOffloader:
             if buf.last_read is not None:
                 down.wait_event(buf.last_read)
             with torch.cuda.stream(down):
-                host.copy_(t, non_blocking=buf.pinned)
+                host.copy_(stored, non_blocking=buf.pinned)
                 saved.copied = down.record_event()
-            # The layer loop drops `t` right after this layer; without this the allocator could
-            # hand its memory to the next layer while the copy is still reading it.
-            t.record_stream(down)
+            # The layer loop drops `t` (and `stored`) right after this layer; without this the allocator
+            # could hand its memory to the next layer while the copy is still reading it.
+            stored.record_stream(down)
         else:
-            host.copy_(t)
+            host.copy_(stored)
         self._live_bytes += nbytes
         if chained:  # (the layer-input statistics; parked results are counted by genolong.train.keep)
             self.stats.packed += 1
@@ -242,7 +285,7 @@ class HostOffloader:
     def _unpack(self, entry):
         if isinstance(entry, _Kept):
             self._prefetch_before(entry.order)
-            return entry.tensor
+            return entry.value()
         out = self._fetch(entry, counted=True)
         self._prefetch_before(entry.order)
         return out
@@ -255,15 +298,18 @@ class HostOffloader:
                 self._upload(saved)
             elif counted:
                 self.stats.prefetch_hits += 1
-            out = saved.prefetched
+            stored = saved.prefetched
             saved.prefetched = None
             torch.cuda.current_stream(saved.device).wait_event(saved.uploaded)
+        elif saved.fp8:
+            # (dequantize_rows writes a fresh tensor: never a view of the buffer, which goes back to the pool)
+            stored = saved.host_view().to(saved.device)
         else:
             # A fresh tensor, never a view of the buffer: the buffer goes back to the pool.
-            out = saved.host_view().to(saved.device, copy=True)
+            stored = saved.host_view().to(saved.device, copy=True)
         if counted:
-            self.stats.bytes_up += out.numel() * out.element_size()
-        return out
+            self.stats.bytes_up += stored.numel() * stored.element_size()
+        return saved.rebuild(stored)
 
     def _upload(self, saved: _Saved) -> None:
         """Start copying `saved` back to its device on the upload stream."""
@@ -271,7 +317,8 @@ class HostOffloader:
         compute = torch.cuda.current_stream(saved.device)
         # Allocated on the compute stream (where it will be used and freed, so the block stays in
         # that stream's pool); the upload stream waits until that allocation is safe to write.
-        out = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+        # In fp8 storage this is the packing; `_fetch` rebuilds the tensor from it on the compute stream.
+        out = torch.empty_like(saved.host_view(), device=saved.device)
         up.wait_event(compute.record_event())
         if saved.copied is not None:
             up.wait_event(saved.copied)
@@ -354,11 +401,16 @@ class Offload(ModuleWrapper):
     def extra_repr(self) -> str:
         where = "to host memory" if self.offloader.offloads(self.layer_idx) else "kept on the device"
         how = "pinned" if self.offloader.pinned else "pageable"
+        if self.offloader.storage == "fp8":
+            how = f"fp8 e4m3 with per-row scales, {how}" if self.offloader.offloads(self.layer_idx) else "fp8 e4m3 with per-row scales"
         budget = ", the offloaded layers decided from the GPU budget at each new length" if self.decide is not None else ""
         return f"layer {self.layer_idx}: input {where} ({how}){budget}"
 
 
-def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+def packed_bytes(shape: torch.Size, dtype: torch.dtype, fp8: bool) -> int:
+    """Bytes a stored tensor of `shape` and `dtype` takes: its own, or in fp8 storage its packing."""
+    if fp8:
+        return packed_nbytes(shape)
     return shape.numel() * torch.empty((), dtype=dtype).element_size()
 
 

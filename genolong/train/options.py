@@ -22,6 +22,7 @@ from genolong.units import parse_length
 KERNEL_CHOICES = ("auto", "fused", "reference")
 LAUNCHERS = ("local", "ray")
 KEEP_CHOICES = ("auto", "host", "device", "off")
+LAYER_INPUT_CHOICES = ("bf16", "fp8")
 
 
 @dataclass
@@ -47,6 +48,10 @@ class MemoryOptions:
       tokens (genolong.train.tiling; its MoE per tile, so MoE chunking and keep_moe do not apply);
       None = whole layers. tile_auto: the CUDA pre-flight picks tile_tokens when the untiled plan
       does not fit (`--tile auto`).
+    layer_inputs: how recompute stores each layer's input between forward and backward (on the GPU
+      or offloaded): "bf16" as it is (exact; in the run's dtype), "fp8" as float8_e4m3fn with one
+      fp32 scale per row of hidden (about half the bytes; lossy: backward's recompute runs on the
+      rebuilt input; genolong.train.offload).
     gpu_budget_gib / host_budget_gib: the pre-flight's limits; None = the device's / machine's.
     """
 
@@ -64,6 +69,7 @@ class MemoryOptions:
     loss_chunk_tokens: int | None = None  # None = ~1 GiB of fp32 logits per chunk (loss.auto_chunk_tokens)
     tile_tokens: int | None = None
     tile_auto: bool = False
+    layer_inputs: str = "bf16"
     gpu_budget_gib: float | None = None
     host_budget_gib: float | None = None
 
@@ -100,7 +106,9 @@ class MemoryOptions:
             "host_budget_gib": host_budget_gib,
         }
         if baseline:
-            return cls.baseline(**sizes).validate()
+            # (an fp8 request is kept so that validate refuses it: --baseline has no recompute)
+            inputs = {"layer_inputs": switches["layer_inputs"]} if switches.get("layer_inputs", "bf16") != "bf16" else {}
+            return cls.baseline(**sizes, **inputs).validate()
         tile_tokens, tile_auto = parse_tile(tile)
         return cls(recompute=recompute, offload=offload and recompute, tile_tokens=tile_tokens, tile_auto=tile_auto and recompute,
                    **switches, **sizes).validate()
@@ -121,6 +129,11 @@ class MemoryOptions:
             raise GenolongError(f"--keep-sparse must be one of {', '.join(KEEP_CHOICES)}, got {self.keep_sparse!r}")
         if self.keep_sparse == "host" and not self.offload:
             raise GenolongError("--keep-sparse host parks results in the offload's pinned host pool: add --offload or use --keep-sparse device / off")
+        if self.layer_inputs not in LAYER_INPUT_CHOICES:
+            raise GenolongError(f"--layer-inputs must be one of {', '.join(LAYER_INPUT_CHOICES)}, got {self.layer_inputs!r}")
+        if self.layer_inputs == "fp8" and not self.recompute:
+            raise GenolongError("--layer-inputs fp8 stores the layer inputs that recompute keeps, and without recompute there are none: "
+                                "drop --no-recompute / --baseline or --layer-inputs fp8")
         if self.keep_moe and not (self.recompute and self.moe_chunking):
             raise GenolongError("--keep-moe keeps the MoE output for the layers' recompute of its chunks: it needs recompute and --moe-chunking; drop --keep-moe")
         if self.tile_tokens is not None:

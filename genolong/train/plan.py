@@ -8,6 +8,8 @@ tokens before context parallelism). `estimate_memory` adds up, per GPU:
   master and moments = 16 bytes per parameter; parameters kept fp32 by the model count 12);
 - stored layer inputs: with full recompute each layer keeps its input, the 4-stream mHC
   residual (streams x hidden per token: 4x a plain transformer's), except the offloaded layers;
+  with `layer_inputs="fp8"` 1 byte an element plus a 4-byte scale per stream (genolong.train.fp8_rows),
+  on the GPU, in flight and on the host, plus the rebuilt input of the layer being recomputed;
 - the working set of the layer being recomputed in backward (its saved activations, plus the
   gradients flowing in and out), or, without recompute, every layer's saved activations;
 - the loss head and the largest transient: indexer query chunk, MoE chunk, loss chunk, KDA
@@ -58,6 +60,7 @@ from genolong.train.plan_parallel import (
 GIB = 1024**3
 H200_BYTES = int(139.8 * GIB)  # what torch.cuda reports for an H200 (143,771,877,376 bytes)
 FP32 = 4
+FP8_SCALE_BYTES = 4  # a float32 scale per row of an fp8-stored layer input
 # Kernel budgets (genolong/kernels): the indexer's and the DSA kernel's query chunks are sized
 # to these; fla's KDA chunk is 64 tokens.
 INDEXER_BUDGET = 2 << 30
@@ -183,8 +186,12 @@ def largest_param(config: ModelConfig) -> int:
 # ------------------------------------------------------------------------ per-token activations
 
 
-def stored_input_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
-    """What full recompute keeps per layer: the [n_streams, hidden] residual of each token."""
+def stored_input_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2, layer_inputs: str = "bf16") -> int:
+    """What full recompute keeps per layer: the [n_streams, hidden] residual of each token, in the run's
+    dtype, or with `layer_inputs="fp8"` one byte an element plus a float32 scale per stream (one row
+    of hidden: genolong.train.fp8_rows)."""
+    if layer_inputs == "fp8":
+        return config.mhc.num_streams * (config.hidden + FP8_SCALE_BYTES)
     return config.mhc.num_streams * config.hidden * dtype_bytes
 
 
@@ -403,6 +410,8 @@ def estimate_memory(
     if setup.sharded:
         gpu["fsdp gathered layer (weights + gradient)"] = fsdp_gathered_bytes(config, setup, a)
     stream_bytes = stored_input_bytes_per_token(config, a) * tokens
+    # What each stored (kept or offloaded) layer input takes; the streams' gradients stay whole.
+    stored_bytes = stored_input_bytes_per_token(config, a, opts.layer_inputs) * tokens
     fp32_hc = not opts.mhc_low_precision
     moe_chunked = moe_chunks_checkpointed(tokens, opts)
     moe_routed = _moe(config, a)["moe routed"] if config.moe_layers else 0
@@ -433,21 +442,26 @@ def estimate_memory(
     if opts.recompute:
         if offload_layers is None:
             offload_layers = opts.offload_layers if opts.offload else 0
-        fixed = sum(gpu.values()) + transients[transient_name] + sum(loss_items.values()) + sum(kept_gpu.values()) + sum(tiled_gpu.values())
+        # fp8 storage: the input of the layer (under tiling, the tile) being recomputed is rebuilt in the
+        # run's dtype beside its stored form, for that layer's recompute and backward.
+        rebuilt = {"rebuilt layer input (fp8 storage)": stored_input_bytes_per_token(config, a) * work_tokens} if opts.layer_inputs == "fp8" else {}
+        fixed = (sum(gpu.values()) + transients[transient_name] + sum(loss_items.values()) + sum(kept_gpu.values()) + sum(tiled_gpu.values())
+                 + sum(rebuilt.values()))
         # The streams' gradient coming in and going out are whole-sequence tensors even under tiling
         # (a tiled layer's input gradient is assembled from its tiles'); a tiled DSA layer also
         # accumulates its whole latent's gradient over the query tiles.
         keys_grad = [2 * a * config.dsa.kv_lora_rank * tokens if tile and config.layer_types[i] == LAYER_DSA else 0 for i in range(layers)]
         working = [per_layer[i] + biggest[i] + 2 * stream_bytes + keys_grad[i] for i in range(layers)]
         # An offloaded tiled layer's input comes back tile by tile (its own and the next prefetched).
-        upload = stored_input_bytes_per_token(config, a) * tile if tile else None
+        upload = stored_input_bytes_per_token(config, a, opts.layer_inputs) * tile if tile else None
         if offload_layers is None:  # offload on, count from the budget
-            offload_layers = offload_layers_needed(fixed, stream_bytes, working, gpu_budget, overlap=opts.offload_overlap, upload_bytes=upload)
+            offload_layers = offload_layers_needed(fixed, stored_bytes, working, gpu_budget, overlap=opts.offload_overlap, upload_bytes=upload)
         offload_layers = min(offload_layers, layers) if opts.offload else 0
-        stored, prefetch, at = recompute_peak(stream_bytes, working, offload_layers, opts.offload_overlap, upload_bytes=upload)
+        stored, prefetch, at = recompute_peak(stored_bytes, working, offload_layers, opts.offload_overlap, upload_bytes=upload)
         gpu["stored layer inputs"] = stored
         if prefetch:
             gpu["uploaded layer inputs"] = prefetch
+        gpu.update(rebuilt)
         gpu[f"layer working set (recompute, layer {at})"] = working[at]
     else:
         offload_layers = 0
@@ -459,7 +473,7 @@ def estimate_memory(
     gpu.update(kept_gpu)
     gpu.update(tiled_gpu)
 
-    offloaded = {"offloaded layer inputs (pinned)" if opts.offload_pinned else "offloaded layer inputs (pageable)": offload_layers * stream_bytes}
+    offloaded = {"offloaded layer inputs (pinned)" if opts.offload_pinned else "offloaded layer inputs (pageable)": offload_layers * stored_bytes}
     return MemoryEstimate(
         seq_len=seq_len,
         n_gpus=setup.world,

@@ -252,7 +252,7 @@ def _print_estimate(console: Console, config, est, title: str) -> None:
             table.add_row("host", name, f"{value / GIB:.2f}")
         table.add_row("host", "[bold]total pinned[/bold]", f"[bold]{est.host_total / GIB:.2f}[/bold] / {est.host_bytes / GIB:.1f} usable")
     console.print(table)
-    switches = ", ".join(f"{k}={v}" for k, v in est.opts.to_dict().items() if k in ("recompute", "offload", "moe_chunking", "chunked_loss", "mhc_low_precision", "tile_tokens", "keep_sparse"))
+    switches = ", ".join(f"{k}={v}" for k, v in est.opts.to_dict().items() if k in ("recompute", "offload", "moe_chunking", "chunked_loss", "mhc_low_precision", "tile_tokens", "keep_sparse", "layer_inputs"))
     console.print(switches if cpu else f"layers offloaded: {est.offload_layers} of {config.num_layers}; {switches}")
     transient = ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.transients.items())
     if transient:

@@ -135,6 +135,18 @@ def shortfall(
         more = _more_gpus(config, seq_len, opts, gpu_bytes, setup, batch=batch, dtype_bytes=a, host_bytes=host_bytes)
         if more:
             found.append(more)
+
+    def fits_tiled(o: MemoryOptions) -> MemoryEstimate | None:
+        """The estimate under `o` if it fits, also with the tile `--tile auto` would pick (GPU, one process)."""
+        est = trial(o=o)
+        if est.fits:
+            return est
+        if device != "cpu" and o.tile_auto and o.tile_tokens is None:
+            return choose_tile(config, seq_len, o, 1, gpu_bytes, batch=batch, dtype_bytes=a, host_bytes=host_bytes, setup=setup)
+        return None
+
+    # Lossy, so after every exact change.
+    found += _layer_input_fixes(opts, fits_tiled)
     seq = seq_len // 2
     while seq >= 1024 and not trial(seq=seq).fits:
         seq //= 2
@@ -208,6 +220,17 @@ def _keep_fixes(trial, opts: MemoryOptions, device: str) -> list[str]:
             why = "in pinned host memory" if choice == "host" else "recomputed, not kept"
             return [f"the DSA results {why}: --keep-sparse {choice}"]
     return []
+
+
+def _layer_input_fixes(opts: MemoryOptions, fits) -> list[str]:
+    """fp8 storage of the layer inputs (about half their bytes, on the GPU and the host), if that fits."""
+    if not opts.recompute or opts.layer_inputs == "fp8":
+        return []
+    est = fits(MemoryOptions.from_dict({**opts.to_dict(), "layer_inputs": "fp8"}))
+    if est is None:
+        return []
+    tiled = f" (with --tile {format_length(est.opts.tile_tokens)})" if est.opts.tile_tokens is not None and opts.tile_tokens is None else ""
+    return [f"the layer inputs stored in fp8 (e4m3 with per-row scales; lossy: backward recomputes from them): --layer-inputs fp8{tiled}"]
 
 
 def _offload_fixes(est: MemoryEstimate, trial, opts: MemoryOptions) -> list[str]:

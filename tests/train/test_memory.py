@@ -343,12 +343,13 @@ def test_finetune_and_plan_build_memory_options_from_the_same_parameters():
         assert not missing, f"{command.__name__} lacks {sorted(missing)}"
     params = dict(baseline=False, recompute=True, offload=True, moe_chunk="32k", loss_chunk=None, offload_layers=2,
                   gpu_budget_gib=None, host_budget_gib=8.0, pinned=False, overlap=False, keep_sparse="off",
-                  moe_chunking=True, keep_moe=False, mhc_low_precision=False, chunked_loss=True, tile="128k", seq="1M")
+                  moe_chunking=True, keep_moe=False, mhc_low_precision=False, chunked_loss=True, tile="128k", layer_inputs="fp8", seq="1M")
     opts = memory_options(params, gpu_budget_gib=50.0)
+    assert opts.layer_inputs == "fp8"
     assert (opts.offload_pinned, opts.offload_overlap, opts.mhc_low_precision, opts.offload_layers) == (False, False, False, 2)
     assert (opts.tile_tokens, opts.tile_auto) == (131072, False)
     assert (opts.gpu_budget_gib, opts.host_budget_gib, opts.moe_chunk_tokens) == (50.0, 8.0, 32768)
-    assert memory_options({**params, "baseline": True}).recompute is False
+    assert memory_options({**params, "baseline": True, "layer_inputs": "bf16"}).recompute is False
 
 def test_offload_layers_above_the_models_layers_are_refused_not_clamped():
     config = get_preset("tiny")

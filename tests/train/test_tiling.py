@@ -134,6 +134,29 @@ def test_shared_topk_layers_and_offload_with_kept_results():
     assert handle.keep.stats.replayed == handle.keep.stats.recorded > 0 and handle.keep.stats.rerun == 0
 
 
+@pytest.mark.parametrize("offload_layers", [None, 2])
+def test_fp8_layer_inputs_in_tiles(base, untiled, offload_layers):
+    """fp8 storage (--layer-inputs fp8) of each tile's input slice: the loss is the exact run's (the
+    forward reads the exact inputs), the gradients within fp8's reach of it (as untiled:
+    tests/train/test_layer_inputs.py; not equal to the untiled fp8 run's, whose recompute carries KDA
+    states and DSA keys rebuilt from fp8 where a tiled one carries the forward's). Tiles of 52 (the last
+    of 46): every slice is above the offloader's minimum size."""
+    where = dict(offload=False) if offload_layers is None else dict(offload_layers=offload_layers)
+    model = copy.deepcopy(base)
+    handle = apply_memory_optimizations(model, MemoryOptions(keep_sparse="off", tile_tokens=52, layer_inputs="fp8", **where))
+    loss, aux, _, grads = _step(model)
+    assert loss == pytest.approx(untiled[0], rel=1e-6) and aux == pytest.approx(untiled[1], rel=1e-5)
+    exact = torch.cat([g.flatten() for g in untiled[3].values()])
+    got = torch.cat([grads[n].flatten() for n in untiled[3]])
+    rel = ((got - exact).norm() / exact.norm()).item()
+    assert 1e-4 < rel < 0.1, rel
+    assert torch.nn.functional.cosine_similarity(got, exact, dim=0).item() > 0.99
+    stats = handle.offloader.stats
+    # three slices a layer, a DSA layer's two chains' saves of one slice stored once
+    assert stats.quantized == 3 * len(handle.recompute) and stats.packed == 3 * (offload_layers or 0)
+    assert handle.pinned_bytes() == 0 and handle.offloader.live_entries() == 0
+
+
 def test_a_sequence_of_one_tile_runs_the_whole_layer(base):
     model = copy.deepcopy(base)
     plain = copy.deepcopy(base)
