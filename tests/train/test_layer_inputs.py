@@ -148,10 +148,81 @@ def test_fp8_storage_leaves_the_loss_and_moves_the_gradients_a_little():
     text = str(fp8.model)
     assert "layer 0: input to host memory (fp8 e4m3 with per-row scales, pinned)" in text
     assert "layer 2: input kept on the device (fp8 e4m3 with per-row scales)" in text
-    assert "RoutingFreeSaves(" in text and "RoutingFreeSaves(" not in str(exact.model)
+    # The recompute routes with the forward's choice of experts (kept on the device), only under fp8 storage.
+    assert "moe_topk" in text and "moe_topk" not in str(exact.model)
     assert fp8.describe()["layer_inputs"] == "fp8" and exact.describe()["layer_inputs"] == "bf16"
     fp8.remove()
-    assert "RoutingFreeSaves(" not in str(fp8.model) and "Offload(" not in str(fp8.model)
+    assert "moe_topk" not in str(fp8.model) and "Offload(" not in str(fp8.model)
+
+
+def _routed_step(**memory):
+    """A tiny-model step under fp8 storage recording every router call: {(layer, "forward" / "backward"):
+    [(the experts it returned, the experts its input picks freely)]}, the handle."""
+    from genolong.model.moe import Router
+
+    config = get_preset("tiny")
+    torch.manual_seed(0)
+    model = GenoLongForCausalLM(config)
+    handle = apply_memory_optimizations(model, MemoryOptions(layer_inputs="fp8", **memory))
+    seen = {}
+
+    def hook(router, inputs, out):
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        with torch.no_grad():
+            free = router.route(inputs[0].detach())[0]
+        seen.setdefault((router.layer_idx, phase), []).append((out[0].clone(), free))
+
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.register_forward_hook(hook)
+    ids = torch.randint(0, 5, (1, T + 1), generator=torch.Generator().manual_seed(1))
+    targets = ids[:, 1:]
+    chunked_lm_loss(model.hidden_states(ids[:, :-1]), model.lm_head.weight, targets, targets != N_ID, 64).backward()
+    return seen, handle
+
+
+def _same_experts(a, b):
+    return torch.equal(a.sort(-1).values, b.sort(-1).values)
+
+
+def test_fp8_recompute_routes_with_the_forwards_choice_where_the_rebuilt_input_picks_others():
+    seen, handle = _routed_step(offload_layers=2, moe_chunk_tokens=24)
+    layers = sorted({layer for layer, _ in seen})
+    assert layers and handle.keep.stats.replayed > 0
+    flips = 0
+    for layer in layers:
+        forward = [out for out, _ in seen[(layer, "forward")]]
+        backward = seen[(layer, "backward")]
+        # The layer's recompute runs the three chunks, then each chunk's own checkpoint recomputes it (last first).
+        assert len(backward) == 2 * len(forward) == 6
+        for out, want in zip([o for o, _ in backward], forward + forward[::-1]):
+            assert torch.equal(out, want)
+        flips += sum((~(o.sort(-1).values == f.sort(-1).values).all(-1)).sum().item() for (_, f), o in zip(backward, forward + forward[::-1]))
+    # The case the replay exists for: on its rebuilt input the router would have picked other experts.
+    assert flips > 0
+
+
+def test_fp8_tiled_recompute_routes_with_the_forwards_choice():
+    seen, handle = _routed_step(offload_layers=1, tile_tokens=32, keep_sparse="off")
+    layers = sorted({layer for layer, _ in seen})
+    assert layers and handle.keep.stats.replayed > 0 and handle.tile_tokens() == 32
+    for layer in layers:
+        forward = sorted(out.numpy().tobytes() for out, _ in seen[(layer, "forward")])
+        backward = sorted(out.numpy().tobytes() for out, _ in seen[(layer, "backward")])
+        assert len(forward) == 2 and backward == forward
+
+
+def test_kept_routing_is_stored_in_the_smallest_integer_type():
+    from genolong.model.moe import index_dtype
+
+    assert index_dtype(64) == torch.uint8 and index_dtype(256) == torch.uint8
+    assert index_dtype(257) == torch.int16 and index_dtype(2**15 + 1) == torch.int32
+    _, handle = _routed_step(offload_layers=2, moe_chunk_tokens=24, keep_sparse="off")
+    # keep_sparse off: the routing alone is kept, on the device, one byte an expert slot of each token.
+    config = get_preset("tiny")
+    assert handle.keep.ops == {"moe_topk"} and handle.keep.where == "device"
+    moe_layers = len({m.layer_idx for m in handle.model.modules() if type(m).__name__ == "Router"})
+    assert handle.keep.stats.bytes_kept == moe_layers * T * config.moe.top_k
 
 
 def test_fp8_storage_without_offload_keeps_every_input_in_fp8():
