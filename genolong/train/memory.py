@@ -21,7 +21,9 @@ then recompute and offload (they wrap whole layers):
   instead: each layer in checkpointed sequence tiles (and the MoE is not chunked: a tile bounds it).
 - layer_inputs="fp8": the `Offload` wrappers' HostOffloader stores every checkpointed input (offloaded
   or kept on the device) as fp8 e4m3 with per-row scales; without offload it is there for that alone,
-  every layer's input kept on the device.
+  every layer's input kept on the device. The recompute then routes with the forward's choice of
+  experts (genolong.model.moe.KEPT_ROUTE, kept by the KeptResults below, on the device when nothing
+  else is kept).
 - offload: `Offload(Recompute(...))` (genolong.train.offload): the checkpointed input goes to a
   HostOffloader's host pool. `offload_layers=None` decides per sequence length, at the first
   layer of a forward: the fewest layers that make the plan (genolong.train.plan) fit the GPU

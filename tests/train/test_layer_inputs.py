@@ -250,6 +250,12 @@ def test_plan_counts_fp8_bytes_and_scales_for_stored_offloaded_and_uploaded_inpu
         assert est.gpu["uploaded layer inputs"] == per_layer  # the next offloaded one, prefetched
     # fp8: the input of the layer being recomputed is rebuilt beside its stored form.
     assert fp8.gpu["rebuilt layer input (fp8 storage)"] == rows * 512 * 2 and "rebuilt layer input (fp8 storage)" not in bf16.gpu
+    # The router choices fp8 storage keeps: 4 experts of 64, one byte each, for each of the 42 MoE layers.
+    assert len(config.moe_layers) == 42 and (config.moe.num_experts, config.moe.top_k) == (64, 4)
+    assert fp8.host["kept router choices (pinned)"] == 42 * tokens * 4 and "kept router choices (pinned)" not in bf16.host
+    assert "kept router choices (device)" not in fp8.gpu
+    device = plan(offload_layers=2, keep_sparse="off", layer_inputs="fp8")
+    assert device.gpu["kept router choices (device)"] == 42 * tokens * 4
     # Tiled, every layer offloaded: a tile's input comes back (its own and the next, prefetched), in fp8.
     tiled = plan(offload_layers=45, tile_tokens=32768, keep_sparse="off", layer_inputs="fp8")
     assert tiled.gpu["uploaded layer inputs"] == 2 * 32768 * 4 * (512 + 4)
