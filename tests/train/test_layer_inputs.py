@@ -182,10 +182,6 @@ def _routed_step(**memory):
     return seen, handle
 
 
-def _same_experts(a, b):
-    return torch.equal(a.sort(-1).values, b.sort(-1).values)
-
-
 def test_fp8_recompute_routes_with_the_forwards_choice_where_the_rebuilt_input_picks_others():
     seen, handle = _routed_step(offload_layers=2, moe_chunk_tokens=24)
     layers = sorted({layer for layer, _ in seen})
