@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from genolong.model import ops
+from genolong.model import frames, ops
 from genolong.model.config import MoEConfig
 from genolong.model.mlp import DenseMLP, clamped_swiglu
 
@@ -55,17 +55,48 @@ def moe_experts_reference(
 ops.register("moe_experts", ops.REFERENCE, moe_experts_reference)
 
 
+# The name under which a replay frame (genolong.train.keep) keeps the router's choice of experts: the
+# memory pass keeps it with fp8 layer inputs, whose recompute reads a rebuilt input and would otherwise
+# route some tokens to other experts than the forward whose output backward differentiates.
+KEPT_ROUTE = "moe_topk"
+
+
+def index_dtype(n_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds every expert index (what a kept choice is stored in)."""
+    return torch.uint8 if n_experts <= 256 else torch.int16 if n_experts <= 2**15 else torch.int32
+
+
 class Router(nn.Module):
-    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+    def __init__(self, hidden: int, cfg: MoEConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer_idx = layer_idx
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, hidden, dtype=torch.float32))
         # Auxiliary-loss-free balancing adjusts this bias from outside; it is not trained by gradient.
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hidden] -> (topk_idx int64 [N, k], topk_w fp32 [N, k])."""
-        return route(x, self.weight, self.e_score_correction_bias, self.cfg)
+        """x [N, hidden] -> (topk_idx int64 [N, k], topk_w fp32 [N, k]). Inside a replay frame that keeps
+        KEPT_ROUTE the forward records the choice and the recompute takes it: the weights are computed
+        afresh from the recompute's scores at the forward's experts, so their gradient reaches the router."""
+        frame = frames.current_frame() if torch.is_grad_enabled() else None
+        if frame is None or not frame.keeps(KEPT_ROUTE):
+            return self.route(x)
+        if frame.replaying:
+            chosen = frame.replay(KEPT_ROUTE, self.layer_idx, (x,))[1][0].long()
+            return self.route(x, top_indices=lambda choice, k: chosen)
+
+        # The forward picks outside autograd too: its checkpoint requires the recompute, which has no
+        # top-k, to save the same tensors.
+        def pick(choice: torch.Tensor, k: int) -> torch.Tensor:
+            chosen = choice.detach().topk(k, dim=-1, sorted=False).indices
+            frame.record(KEPT_ROUTE, self.layer_idx, "router", (x,), (chosen.to(index_dtype(self.cfg.num_experts)),))
+            return chosen
+
+        return self.route(x, top_indices=pick)
+
+    def route(self, x: torch.Tensor, top_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(x, self.weight, self.e_score_correction_bias, self.cfg, top_indices)
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, cfg: MoEConfig,
@@ -118,7 +149,7 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, cfg: MoEConfig, layer_idx: int) -> None:
         super().__init__()
         self.experts = Experts(hidden, cfg, layer_idx)
-        self.gate = Router(hidden, cfg)
+        self.gate = Router(hidden, cfg, layer_idx)
         shared = cfg.expert_dim * cfg.num_shared_experts
         self.shared_experts = DenseMLP(hidden, shared, cfg.swiglu_limit) if shared else None
 

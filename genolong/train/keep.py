@@ -25,6 +25,9 @@ Where the tensors wait (`where`):
   glm53-mini (4 heads, the selection packed: genolong.model.kept_selection) 0.75 GiB per DSA layer
   at 128k and 3 GiB at 512k stay off the GPU (8.3 / 33 GiB pinned for its 11 DSA layers).
 - "device": kept on the GPU until the layer's backward (short sequences; what a CPU run uses).
+
+With fp8 layer inputs the same frames keep each MoE layer's choice of experts (genolong.model.moe.KEPT_ROUTE,
+recorded and replayed by the Router itself), so the recompute on the rebuilt input routes as the forward did.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from genolong.model import ops
+from genolong.model import frames, ops
 
 KEPT_OP = "moe_output"  # the name the replay frame records it under (genolong.train.keep)
 
@@ -91,7 +91,9 @@ def kept_moe_output(moe: torch.nn.Module, x: torch.Tensor, chunk_tokens: int, fr
         # (the expert balancer counts loads and builds its balance loss there), but nothing it saves
         # is kept: not even handed to the layer checkpoint, whose recompute must save what its forward
         # saved, and which in the recompute sees only this node's save of x. The graph is dropped at once.
-        with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+        # (outside the frame: the recompute does not run this MoE, so nothing of it, the router's choice
+        # included, may be recorded for the recompute to find)
+        with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped), frames.replay_frame(None):
             out = run_in_chunks(moe, x, chunk_tokens).detach()
     _, again = ops.recompute_context()  # the policy in force now, for the run in backward
     result = _RunAgainInBackward.apply(lambda: out, moe, chunk_tokens, again, x, *params)

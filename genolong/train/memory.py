@@ -21,7 +21,9 @@ then recompute and offload (they wrap whole layers):
   instead: each layer in checkpointed sequence tiles (and the MoE is not chunked: a tile bounds it).
 - layer_inputs="fp8": the `Offload` wrappers' HostOffloader stores every checkpointed input (offloaded
   or kept on the device) as fp8 e4m3 with per-row scales; without offload it is there for that alone,
-  every layer's input kept on the device.
+  every layer's input kept on the device. The recompute then routes with the forward's choice of
+  experts (genolong.model.moe.KEPT_ROUTE, kept by the KeptResults below, on the device when nothing
+  else is kept).
 - offload: `Offload(Recompute(...))` (genolong.train.offload): the checkpointed input goes to a
   HostOffloader's host pool. `offload_layers=None` decides per sequence length, at the first
   layer of a forward: the fewest layers that make the plan (genolong.train.plan) fit the GPU
@@ -40,12 +42,13 @@ then recompute and offload (they wrap whole layers):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from genolong.model import frames, ops
+from genolong.model.moe import KEPT_ROUTE
 from genolong.train.keep import KeptResults
 from genolong.train.keep_moe import KEPT_OP as KEPT_MOE
 from genolong.train.keep_moe import kept_moe_output
@@ -74,11 +77,14 @@ class ChunkedMoE(ModuleWrapper):
 
     def checkpointed_chunks(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        frame = frames.current_frame() if torch.is_grad_enabled() else None
+        routes = frame is not None and frame.keeps(KEPT_ROUTE)
         pieces = []
         for start in range(0, flat.shape[0], self.chunk_tokens):
             piece = flat[start : start + self.chunk_tokens]
             if torch.is_grad_enabled():
-                pieces.append(checkpointed(self.wrapped, piece, preserve_rng_state=False))
+                keep = _ChunkRoutes(frame) if routes else None
+                pieces.append(checkpointed(self.wrapped, piece, preserve_rng_state=False, keep=keep))
             else:
                 pieces.append(self.wrapped(piece))
         return torch.cat(pieces, dim=0).view_as(x)
@@ -87,49 +93,51 @@ class ChunkedMoE(ModuleWrapper):
         return f"chunk_tokens={self.chunk_tokens}, each chunk checkpointed"
 
 
-class _ExpertsFromInputs(torch.autograd.Function):
-    """The experts op saving only its inputs (x, topk_idx, topk_w: shapes fixed by the token count) and
-    running again with autograd in backward, under the kernel policy of its forward."""
+class _ChunkRoutes:
+    """The replay frame of one MoE chunk's checkpoint inside a layer frame that keeps the router's choice.
 
-    @staticmethod
-    def forward(ctx, experts, policy, x, topk_idx, topk_w, *params):
-        ctx.experts, ctx.policy, ctx.params = experts, policy, params
-        ctx.save_for_backward(x, topk_idx, topk_w)
-        return experts(x, topk_idx, topk_w)
+    The chunk's forward runs inside the layer's forward (the choice is recorded in the layer's frame) or
+    inside its recompute (taken from it); the chunk's own recompute runs later in backward, outside the
+    layer's frame, and takes the choice its forward saw from here."""
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, topk_idx, topk_w = ctx.saved_tensors
-        wants = ctx.needs_input_grad
-        with torch.enable_grad(), ops.policy(ctx.policy):
-            xs, ws = x.detach().requires_grad_(wants[2]), topk_w.detach().requires_grad_(wants[4])
-            out = ctx.experts(xs, topk_idx, ws)
-            inputs = [t for t, want in zip((xs, ws, *ctx.params), (wants[2], wants[4], *wants[5:])) if want]
-            got = iter(torch.autograd.grad(out, inputs, grad, allow_unused=True))
-        grads = [next(got) if want else None for want in (wants[2], wants[4], *wants[5:])]
-        return (None, None, grads[0], None, grads[1], *grads[2:])
+    def __init__(self, parent) -> None:
+        self.parent = parent
+        self.replaying = parent.replaying
+        self.seen: list[tuple] = []
+        self.cursor = 0
+
+    def keeps(self, op: str) -> bool:
+        return op == KEPT_ROUTE
+
+    def record(self, op: str, layer_idx: int, impl: str, args: tuple, kept) -> None:
+        self.parent.record(op, layer_idx, impl, args, kept)
+        self.seen.append((impl, kept))
+
+    def replay(self, op: str, layer_idx: int, args: tuple) -> tuple:
+        if self.cursor < len(self.seen):  # (the chunk's recompute)
+            self.cursor += 1
+            return self.seen[self.cursor - 1]
+        got = self.parent.replay(op, layer_idx, args)
+        self.seen.append(got)
+        self.cursor += 1
+        return got
+
+    def context_fn(self):
+        policy_forward, policy_recompute = ops.recompute_context()
+        return (_joined(policy_forward, frames.replay_frame(self)),
+                frames.Reenterable(lambda: _joined(policy_recompute, self._recomputing())))
+
+    @contextlib.contextmanager
+    def _recomputing(self):
+        self.replaying, self.cursor = True, 0
+        with frames.replay_frame(self):
+            yield
 
 
-class RoutingFreeSaves(ModuleWrapper):
-    """The wrapped routed experts whose saves for backward do not depend on the routing (fp8 layer inputs).
-
-    With fp8 storage, backward's recompute reads a rebuilt input, and the router can pick other experts
-    for a few tokens than it did in the forward. The reference "moe_experts" op saves one tensor per
-    expert that received tokens, of that expert's row count, and torch's checkpoint refuses a recompute
-    whose saves differ in shape from the forward's. Under this wrapper the op saves its inputs instead
-    and runs again in backward (the grouped GPU op's saves are fixed by the token count: it passes
-    through). Either way backward follows the recompute's routing."""
-
-    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        policy = ops.active()
-        if not torch.is_grad_enabled() or (x.is_cuda and policy.name != ops.REFERENCE):
-            return self.wrapped(x, topk_idx, topk_w)
-        params = tuple(p for p in self.wrapped.parameters() if p.requires_grad)
-        return _ExpertsFromInputs.apply(self.wrapped, policy, x, topk_idx, topk_w, *params)
-
-    def extra_repr(self) -> str:
-        return "saves its inputs and runs again in backward (the reference op; fp8 layer inputs)"
+@contextlib.contextmanager
+def _joined(first, second):
+    with first, second:
+        yield
 
 
 class Fp32InputMHC(ModuleWrapper):
@@ -208,7 +216,7 @@ class MemoryHandle:
 
     def remove(self) -> None:
         """Undo every wrapper (the model runs exactly as built again) and free the host pool."""
-        for kind in (Offload, Recompute, ChunkedMoE, Fp32InputMHC, RoutingFreeSaves):
+        for kind in (Offload, Recompute, ChunkedMoE, Fp32InputMHC):
             unwrap(self.model, kind)
         self.recompute = []
         self.keep = None
@@ -225,14 +233,16 @@ def apply_memory_optimizations(model: torch.nn.Module, opts: MemoryOptions) -> M
         _wrap_all(model, _moe_class(), ChunkedMoE, chunk_tokens=opts.moe_chunk_tokens)
     if not opts.mhc_low_precision:
         _wrap_all(model, _hyper_connection_class(), Fp32InputMHC)
-    if opts.recompute and opts.layer_inputs == "fp8":
-        _wrap_all(model, _experts_class(), RoutingFreeSaves)
     if opts.recompute:
         handle.recompute = apply_tiling(model, opts.tile_tokens) if tiled else apply_recompute(model)
         if opts.offload or opts.layer_inputs == "fp8":  # (fp8 storage without offload: every input kept, in fp8)
             _apply_offload(handle, model, opts)
-        where = opts.kept_where() or opts.kept_moe_where()
-        kept_ops = (*(frames.keepable_ops() if opts.kept_where() else ()), *((KEPT_MOE,) if opts.keeps_moe() else ()))
+        # fp8 layer inputs: the recompute routes with the forward's choice of experts (kept with the DSA
+        # results, else on the device: T x top_k small integers a MoE layer).
+        replays_routing = opts.layer_inputs == "fp8"
+        where = opts.kept_where() or opts.kept_moe_where() or ("device" if replays_routing else None)
+        kept_ops = (*(frames.keepable_ops() if opts.kept_where() else ()), *((KEPT_MOE,) if opts.keeps_moe() else ()),
+                    *((KEPT_ROUTE,) if replays_routing else ()))
         if where == "host" and opts.keep_sparse != "host" and not _on_cuda(model):
             where = "device"  # host and device memory are one RAM: a copy would only cost time
         if where is not None:
@@ -295,12 +305,6 @@ def _moe_class() -> type:
     from genolong.model.moe import MoE
 
     return MoE
-
-
-def _experts_class() -> type:
-    from genolong.model.moe import Experts
-
-    return Experts
 
 
 def _hyper_connection_class() -> type:

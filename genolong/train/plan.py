@@ -437,6 +437,7 @@ def estimate_memory(
     loss_items = _loss_head(config, t, opts, a)
     # (over the cp shard: a tp rank attends with its heads for every token of the shard)
     kept_gpu = _kept_results(config, t.shard, opts, a, host, setup.layout.tp, t.seq, in_flight_tokens=tile)
+    kept_gpu.update(_kept_routes(config, t.seq, opts, host))
     tiled_gpu = _tiling_items(config, tokens, tile, a) if tile else {}
 
     if opts.recompute:
@@ -562,6 +563,27 @@ def _kept_results(config: ModelConfig, tokens: int, opts: MemoryOptions, a: int,
             return {f"{name} in flight (2 tiles)": two * in_flight_tokens // max(tokens, 1)}
         return {f"{name} in flight (2 layers)": two}
     return {}
+
+
+def kept_route_bytes_per_token(config: ModelConfig) -> int:
+    """What fp8 layer-input storage keeps of each MoE layer for its recompute, per token: the forward's
+    top-k expert indices in the smallest integer type holding the expert count (genolong.model.moe)."""
+    from genolong.model.moe import index_dtype
+
+    return config.moe.top_k * index_dtype(config.moe.num_experts).itemsize if config.moe_layers else 0
+
+
+def _kept_routes(config: ModelConfig, moe_tokens: int, opts: MemoryOptions, host: dict[str, int]) -> dict[str, int]:
+    """The router choices fp8 storage keeps (router replay), all MoE layers', where the DSA results
+    wait (the device when nothing else is kept); parked ones add the host item (the two layers' in
+    flight on the GPU, a few MiB at 1M, are left out)."""
+    if not (opts.recompute and opts.layer_inputs == "fp8"):
+        return {}
+    total = kept_route_bytes_per_token(config) * moe_tokens * len(config.moe_layers)
+    if (opts.kept_where() or opts.kept_moe_where()) == "host":
+        host["kept router choices (pinned)"] = total
+        return {}
+    return {"kept router choices (device)": total}
 
 
 def recompute_peak(stream_bytes: int, working: list[int], offloaded: int, overlap: bool = True,

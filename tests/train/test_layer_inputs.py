@@ -17,6 +17,7 @@ from genolong.train.loss import chunked_lm_loss
 from genolong.train.memory import apply_memory_optimizations
 from genolong.train.offload import HostOffloader
 from genolong.train.options import MemoryOptions, TrainOptions
+from genolong.train.wrapper import ModuleWrapper, wrap
 from genolong.train.plan import GIB, H200_BYTES, estimate_memory
 from genolong.vocab import N_ID
 
@@ -148,10 +149,77 @@ def test_fp8_storage_leaves_the_loss_and_moves_the_gradients_a_little():
     text = str(fp8.model)
     assert "layer 0: input to host memory (fp8 e4m3 with per-row scales, pinned)" in text
     assert "layer 2: input kept on the device (fp8 e4m3 with per-row scales)" in text
-    assert "RoutingFreeSaves(" in text and "RoutingFreeSaves(" not in str(exact.model)
+    # The recompute routes with the forward's choice of experts (kept on the device), only under fp8 storage.
+    assert "moe_topk" in text and "moe_topk" not in str(exact.model)
     assert fp8.describe()["layer_inputs"] == "fp8" and exact.describe()["layer_inputs"] == "bf16"
     fp8.remove()
-    assert "RoutingFreeSaves(" not in str(fp8.model) and "Offload(" not in str(fp8.model)
+    assert "moe_topk" not in str(fp8.model) and "Offload(" not in str(fp8.model)
+
+
+def _routed_step(**memory):
+    """A tiny-model step under fp8 storage recording every router call: {(layer, "forward" / "backward"):
+    [(the experts it returned, the experts its input picks freely)]}, the handle."""
+    from genolong.model.moe import Router
+
+    config = get_preset("tiny")
+    torch.manual_seed(0)
+    model = GenoLongForCausalLM(config)
+    handle = apply_memory_optimizations(model, MemoryOptions(layer_inputs="fp8", **memory))
+    seen = {}
+
+    def hook(router, inputs, out):
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        with torch.no_grad():
+            free = router.route(inputs[0].detach())[0]
+        seen.setdefault((router.layer_idx, phase), []).append((out[0].clone(), free))
+
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.register_forward_hook(hook)
+    ids = torch.randint(0, 5, (1, T + 1), generator=torch.Generator().manual_seed(1))
+    targets = ids[:, 1:]
+    chunked_lm_loss(model.hidden_states(ids[:, :-1]), model.lm_head.weight, targets, targets != N_ID, 64).backward()
+    return seen, handle
+
+
+def test_fp8_recompute_routes_with_the_forwards_choice_where_the_rebuilt_input_picks_others():
+    seen, handle = _routed_step(offload_layers=2, moe_chunk_tokens=24)
+    layers = sorted({layer for layer, _ in seen})
+    assert layers and handle.keep.stats.replayed > 0
+    flips = 0
+    for layer in layers:
+        forward = [out for out, _ in seen[(layer, "forward")]]
+        backward = seen[(layer, "backward")]
+        # The layer's recompute runs the three chunks, then each chunk's own checkpoint recomputes it (last first).
+        assert len(backward) == 2 * len(forward) == 6
+        for out, want in zip([o for o, _ in backward], forward + forward[::-1]):
+            assert torch.equal(out, want)
+        flips += sum((~(o.sort(-1).values == f.sort(-1).values).all(-1)).sum().item() for (_, f), o in zip(backward, forward + forward[::-1]))
+    # The case the replay exists for: on its rebuilt input the router would have picked other experts.
+    assert flips > 0
+
+
+def test_fp8_tiled_recompute_routes_with_the_forwards_choice():
+    seen, handle = _routed_step(offload_layers=1, tile_tokens=32, keep_sparse="off")
+    layers = sorted({layer for layer, _ in seen})
+    assert layers and handle.keep.stats.replayed > 0 and handle.tile_tokens() == 32
+    for layer in layers:
+        forward = sorted(out.numpy().tobytes() for out, _ in seen[(layer, "forward")])
+        backward = sorted(out.numpy().tobytes() for out, _ in seen[(layer, "backward")])
+        assert len(forward) == 2 and backward == forward
+
+
+def test_kept_routing_is_stored_in_the_smallest_integer_type():
+    from genolong.model.moe import index_dtype
+
+    assert index_dtype(64) == torch.uint8 and index_dtype(256) == torch.uint8
+    assert index_dtype(257) == torch.int16 and index_dtype(2**15 + 1) == torch.int32
+    _, handle = _routed_step(offload_layers=2, moe_chunk_tokens=24, keep_sparse="off")
+    # keep_sparse off: the routing alone is kept, on the device, one byte an expert slot of each token.
+    config = get_preset("tiny")
+    assert handle.keep.ops == {"moe_topk"} and handle.keep.where == "device"
+    moe_layers = len({m.layer_idx for m in handle.model.modules() if type(m).__name__ == "Router"})
+    assert handle.keep.stats.bytes_kept == moe_layers * T * config.moe.top_k
 
 
 def test_fp8_storage_without_offload_keeps_every_input_in_fp8():
@@ -179,6 +247,12 @@ def test_plan_counts_fp8_bytes_and_scales_for_stored_offloaded_and_uploaded_inpu
         assert est.gpu["uploaded layer inputs"] == per_layer  # the next offloaded one, prefetched
     # fp8: the input of the layer being recomputed is rebuilt beside its stored form.
     assert fp8.gpu["rebuilt layer input (fp8 storage)"] == rows * 512 * 2 and "rebuilt layer input (fp8 storage)" not in bf16.gpu
+    # The router choices fp8 storage keeps: 4 experts of 64, one byte each, for each of the 42 MoE layers.
+    assert len(config.moe_layers) == 42 and (config.moe.num_experts, config.moe.top_k) == (64, 4)
+    assert fp8.host["kept router choices (pinned)"] == 42 * tokens * 4 and "kept router choices (pinned)" not in bf16.host
+    assert "kept router choices (device)" not in fp8.gpu
+    device = plan(offload_layers=2, keep_sparse="off", layer_inputs="fp8")
+    assert device.gpu["kept router choices (device)"] == 42 * tokens * 4
     # Tiled, every layer offloaded: a tile's input comes back (its own and the next, prefetched), in fp8.
     tiled = plan(offload_layers=45, tile_tokens=32768, keep_sparse="off", layer_inputs="fp8")
     assert tiled.gpu["uploaded layer inputs"] == 2 * 32768 * 4 * (512 + 4)
@@ -232,3 +306,75 @@ def test_resume_compares_the_layer_inputs_with_the_runs():
     run = TrainOptions(memory=MemoryOptions(layer_inputs="fp8"))
     assert _matches("layer_inputs", "fp8", run) is True and _matches("layer_inputs", "bf16", run) is False
     assert MemoryOptions.from_dict({k: v for k, v in MemoryOptions().to_dict().items() if k != "layer_inputs"}).layer_inputs == "bf16"
+
+
+class _ReferenceLayer(ModuleWrapper):
+    """What a layer under fp8 storage with router replay computes, by autograd without a checkpoint: the
+    value of the layer on its exact input, the gradient of the layer on the fp8-rebuilt input with each
+    router held to the experts the exact run chose."""
+
+    def __init__(self, layer, routers) -> None:
+        super().__init__(layer)
+        self.routers = routers
+        self.flips = 0
+
+    def forward(self, streams, *args):
+        chosen = {}
+        hooks = [r.register_forward_hook(lambda r, i, out: chosen.setdefault(r, []).append(out[0])) for r in self.routers]
+        with torch.no_grad():
+            exact = self.wrapped(streams, *args)
+        for h in hooks:
+            h.remove()
+        rebuilt = unpack_fp8(pack_fp8(streams.detach()), streams.shape, streams.dtype)
+        for r in self.routers:
+            def held(x, r=r):
+                want = chosen[r].pop(0)
+                with torch.no_grad():
+                    self.flips += int((~(r.route(x)[0].sort(-1).values == want.sort(-1).values).all(-1)).sum())
+                return r.route(x, top_indices=lambda choice, k: want)
+            r.forward = held
+        try:
+            approx = self.wrapped(streams + (rebuilt - streams).detach(), *args)
+        finally:
+            for r in self.routers:
+                del r.forward
+        if isinstance(exact, tuple):
+            return (approx[0] + (exact[0] - approx[0]).detach(), *exact[1:])
+        return approx + (exact - approx).detach()
+
+
+def test_fp8_backward_differentiates_the_forwards_routing_on_the_rebuilt_input():
+    from genolong.model.moe import Router
+    from genolong.train.recompute import decoder_body
+
+    config = get_preset("tiny")
+    ids = torch.randint(0, 5, (1, T + 1), generator=torch.Generator().manual_seed(1))
+    targets = ids[:, 1:]
+
+    def step(prepare):
+        torch.manual_seed(0)
+        model = GenoLongForCausalLM(config)
+        params = list(model.parameters())
+        extra = prepare(model)
+        loss = chunked_lm_loss(model.hidden_states(ids[:, :-1]), model.lm_head.weight, targets, targets != N_ID, 64)
+        loss.backward()
+        return loss.detach(), [p.grad for p in params], extra
+
+    def reference(model):
+        body = decoder_body(model)
+        wrapped = []
+        for i, layer in enumerate(body.layers):
+            wrapped.append(wrap(body.layers, str(i), _ReferenceLayer, [m for m in layer.modules() if isinstance(m, Router)]))
+        return wrapped
+
+    opts = MemoryOptions(offload_layers=None, keep_sparse="off", moe_chunking=False, layer_inputs="fp8")
+    loss, grads, handle = step(lambda model: apply_memory_optimizations(model, opts))
+    loss_ref, grads_ref, wrapped = step(reference)
+    assert handle.keep.stats.replayed > 0 and handle.stats.quantized == config.num_layers
+    # The rebuilt input routes some token elsewhere: following the recompute's choice would change the gradient.
+    assert sum(w.flips for w in wrapped) > 0
+    assert torch.allclose(loss, loss_ref, rtol=1e-6, atol=0)
+    for g, want in zip(grads, grads_ref):
+        assert (g is None) == (want is None)
+        if g is not None:
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
