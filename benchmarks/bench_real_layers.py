@@ -231,7 +231,7 @@ def plan_row(name: str, seq: int, got: dict) -> dict:
         **compare(got["working_set"], plan["gib"]),
         "plan_terms_gib": {k: round(v / GIB, 3) for k, v in plan["terms"].items()},
         "plan_items_gib": {k: round(v / GIB, 3) for k, v in plan["items"].items()},
-        "plan_transient": plan["transient"],
+        "plan_peak": plan["peak"],
         "plan_layout": plan["layout"],
         "plan_tokens": plan["tokens"],
     }
@@ -507,7 +507,7 @@ def dry_run(groups: set[str], sizes: list[str]) -> None:
             for name in GROUP_PLAN_CELLS[group]:
                 plan = plan_cell(name, SIZES[size])
                 terms = ", ".join(f"{k} {v / GIB:.2f}" for k, v in plan["terms"].items())
-                print(f"{name:<8} {size:>5} plan {plan['gib']:7.2f} GiB ({terms}; {plan['layout']}, transient {plan['transient']})")
+                print(f"{name:<8} {size:>5} plan {plan['gib']:7.2f} GiB ({terms}; {plan['layout']}, peak {plan['peak']})")
 
 
 def main() -> None:

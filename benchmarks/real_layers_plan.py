@@ -4,12 +4,13 @@ tensor / expert parallel slice (CPU only; no torch.cuda).
 
 The plan (genolong/train/plan.py, docs/parallel.md "The plan") counts one decoder layer's working
 set under full recompute as its saved items (`layer_saved_items` per token x the tokens one GPU
-holds, plus the layout's own items, `layer_parallel_items`) + its largest item (standing for the
-largest gradient) + the gradients flowing in and out, and beside it the largest transient
-(`_transients`). A cell runs one part of a layer, so its figure is that rule applied to the part:
+holds, plus the layout's own items, `layer_parallel_items`) + the gradient coming in + its backward
+peak: the largest set of gradients one node makes while those items are held (`backward_peaks`),
+and beside it the largest op workspace (`_transients`). A cell runs one part of a layer, and its
+measured working set is the part's own backward, so its figure is that rule applied to the part:
 
-    plan = the part's saved items + its largest item + 2 x its input's bytes (gradient in and out)
-           + the largest of the part's own transients
+    plan = the part's saved items + its input's bytes (the gradient coming in)
+           + the largest of the part's backward peaks and its own workspaces
 
 with every term taken from the plan's code for the real preset (`glm53_flash()`, not the cell's
 sliced copy) under the cell's layout:
@@ -46,8 +47,10 @@ from genolong.parallel.layout import parse_layout
 from genolong.train.options import MemoryOptions
 from genolong.train.plan import (
     GIB,
+    STREAMS_TWO_PATHS,
     _moe,
     _transients,
+    backward_peaks,
     layer_saved_items,
     moe_chunks_checkpointed,
     stored_input_bytes_per_token,
@@ -102,6 +105,14 @@ ITEM_PART: dict[str, str | None] = {
     "norms": None,
 }
 
+# Which part each of the plan's backward peaks (genolong.train.plan.backward_peaks) belongs to.
+PEAK_PART: dict[str, str] = {
+    STREAMS_TWO_PATHS: "mhc",
+    "kda conv gradients (fp32)": "kda",
+    "moe gate/up gradient": "moe",
+    "mlp swiglu gradients": "dense",
+}
+
 # The transients that live inside the part's own backward. The indexer's query chunk does not:
 # under recompute with kept results (the training's default) the DSA recompute replays the
 # forward's selection instead of running the indexer again (genolong.train.keep).
@@ -109,7 +120,7 @@ PART_TRANSIENTS: dict[str, tuple[str, ...]] = {
     "kda": ("kda chunk states",),
     "dsa": ("dsa attention workspace",),
     "dense": (),
-    "moe": ("moe chunk", "moe op chunk"),
+    "moe": ("moe chunk", "moe op chunk", "moe expert weight gradient (fp32)"),
     "mhc": (),
 }
 
@@ -163,13 +174,13 @@ def plan_cell(cell: str, seq: int, dtype_bytes: int = 2) -> dict:
     else:
         input_bytes = a * h * t.shard  # a tp rank's mixer / MLP reads the gathered shard
     transients = _transients(config, t, opts, a, setup)
-    own = {k: transients[k] for k in PART_TRANSIENTS[spec.part] if k in transients}
-    transient_name = max(own, key=own.get) if own else None
+    peaks = {k: v * t.seq for k, v in backward_peaks(config, spec.layer, a, moe_chunked).items() if PEAK_PART[k] == spec.part}
+    peaks.update({k: transients[k] for k in PART_TRANSIENTS[spec.part] if k in transients})
+    peak_name = max(peaks, key=peaks.get) if peaks else None
     terms = {
         "saved items": sum(items.values()),
-        "largest item (its gradient)": max(items.values()),
-        "gradients in and out": 2 * input_bytes,
-        "own transient": own[transient_name] if transient_name else 0,
+        "gradient in": input_bytes,
+        "backward peak": peaks[peak_name] if peak_name else 0,
     }
     total = sum(terms.values())
     return {
@@ -180,7 +191,7 @@ def plan_cell(cell: str, seq: int, dtype_bytes: int = 2) -> dict:
         "tokens": dataclasses.asdict(t),
         "items": items,
         "excluded": excluded,
-        "transient": transient_name,
+        "peak": peak_name,
         "terms": terms,
         "bytes": total,
         "gib": total / GIB,

@@ -66,7 +66,8 @@ FP8_SCALE_BYTES = 4  # a float32 scale per row of an fp8-stored layer input
 INDEXER_BUDGET = 2 << 30
 INDEXER_GROUP = 8  # pools per group in the fused indexer's first pass (v1)
 INDEXER_V2_GROUP = 4  # and in v2's
-DSA_ATTENTION_BUDGET = 2 << 30
+DSA_ATTENTION_BUDGET = 1 << 30  # sparse_mla.op.QUERY_BUDGET_BYTES
+DSA_KEY_CHUNK = 16384  # sparse_mla.op.KEY_CHUNK
 MOE_OP_BUDGET = 1 << 30
 KDA_CHUNK = 64
 # preflight: usable fraction of the GPU (allocator fragmentation, CUDA context, NCCL buffers)
@@ -279,15 +280,47 @@ def _moe(config: ModelConfig, a: int) -> dict[str, int]:
     k, inter = m.top_k, m.expert_dim
     # fp32 input copy, sigmoid scores, top-k indices (int64), the gathered and normalised weights.
     router = FP32 * h + FP32 * m.num_experts + 8 * k + 3 * FP32 * k
-    # gathered rows, gate/up, clamp(gate), silu, clamp(up), product, expert output, the weight;
-    # the sort order and token indices (int64).
-    routed = k * (a * (2 * h + 6 * inter) + FP32 + 2 * 8)
+    # The grouped path (genolong.kernels.moe.grouped, the GPU's): the dispatched rows (the gate/up
+    # GEMM's weight gradient reads them), gate/up (all the fused SwiGLU keeps), its output (the down
+    # GEMM's), the expert output and the fp32 weight (the combine's); the sort order and token
+    # indices (int64).
+    routed = k * (a * (2 * h + 3 * inter) + FP32 + 2 * 8)
+    # The shared expert is the eager DenseMLP: gate, up, clamp(gate), silu, clamp(up), product.
     shared = 6 * a * inter * m.num_shared_experts
     return {"moe router": router, "moe routed": routed, "moe shared": shared}
 
 
 def _dense_mlp(config: ModelConfig, a: int) -> dict[str, int]:
     return {"dense mlp": 6 * a * config.dense_mlp.intermediate_size}
+
+
+STREAMS_TWO_PATHS = "mhc streams' gradient, two paths"
+
+
+def backward_peaks(config: ModelConfig, layer_idx: int, dtype_bytes: int = 2, moe_chunked: bool = False) -> dict[str, int]:
+    """Bytes per token of the largest set of gradients one backward node of each part of layer
+    `layer_idx` makes while the layer's saved items are still held (the working set's peak above
+    them and the incoming gradient; the op workspaces are `_transients`). Measured on real-shape
+    GLM-5.3-Flash sublayers (docs/parallel.md, "The per-layer figures against one GPU"): each
+    part's working set is its saved items + the gradient coming in + the largest of these and its
+    own workspace, within 5% for MLP, KDA and mHC.
+
+    The streams' gradient runs along two paths of each hyper-connection (the residual and the mixing)
+    and is held twice before they are summed; the MoE entry is absent when it runs in checkpointed
+    chunks (its chunk's activations are then a transient)."""
+    a = dtype_bytes
+    peaks = {STREAMS_TWO_PATHS: 2 * stored_input_bytes_per_token(config, a)}
+    if config.layer_types[layer_idx] == LAYER_KDA:
+        # The depthwise conv in fp32: the gradients of its input and of the SiLU's input.
+        peaks["kda conv gradients (fp32)"] = 2 * FP32 * 3 * config.kda.qkv_dim
+    if config.mlp_types[layer_idx] == MLP_MOE:
+        if not moe_chunked:
+            # The fused SwiGLU's backward writes the gradient of gate/up for every routed copy.
+            peaks["moe gate/up gradient"] = config.moe.top_k * a * 2 * config.moe.expert_dim
+    else:
+        # The SwiGLU product's two gradients (silu(gate) and clamp(up)).
+        peaks["mlp swiglu gradients"] = 2 * a * config.dense_mlp.intermediate_size
+    return peaks
 
 
 def layer_saved_items(
@@ -425,9 +458,17 @@ def estimate_memory(
         layer.update(layer_parallel_items(config, i, setup, t, a, moe_chunked, moe_routed))
         items.append(layer)
     per_layer = [sum(it.values()) for it in items]
-    # Backward of a layer: its saved activations, the streams' gradient coming in and going out,
-    # and the largest single gradient the layer creates (its biggest saved activation's size).
-    biggest = [max(it.values()) for it in items]
+    # Backward of a layer: its saved activations, the streams' gradient coming in, and the largest
+    # set of gradients one of its nodes makes meanwhile (`backward_peaks`: the streams' gradient
+    # along the hyper-connection's two paths, or a part's own).
+    # Tiled, the streams' gradient is the whole incoming one plus a tile's (a tiled layer's input
+    # gradient is assembled from its tiles').
+    streams_per_token = stored_input_bytes_per_token(config, a)
+    peak = []
+    for i in range(layers):
+        parts = {k: v * work_tokens for k, v in backward_peaks(config, i, a, moe_chunked).items()}
+        parts[STREAMS_TWO_PATHS] = streams_per_token * (tokens + work_tokens)
+        peak.append(max(parts.values()))
 
     transients = _transients(config, t if tile is None else dataclasses.replace(t, shard=tile, seq=tile), opts, a, setup)
     # The MoE chunk's activations exist only while its chunk is recomputed; the rest are
@@ -448,11 +489,11 @@ def estimate_memory(
         rebuilt = {"rebuilt layer input (fp8 storage)": stored_input_bytes_per_token(config, a) * work_tokens} if opts.layer_inputs == "fp8" else {}
         fixed = (sum(gpu.values()) + transients[transient_name] + sum(loss_items.values()) + sum(kept_gpu.values()) + sum(tiled_gpu.values())
                  + sum(rebuilt.values()))
-        # The streams' gradient coming in and going out are whole-sequence tensors even under tiling
-        # (a tiled layer's input gradient is assembled from its tiles'); a tiled DSA layer also
-        # accumulates its whole latent's gradient over the query tiles.
+        # The streams' gradient coming in is a whole-sequence tensor even under tiling; a tiled DSA
+        # layer also accumulates its whole latent's gradient over the query tiles.
         keys_grad = [2 * a * config.dsa.kv_lora_rank * tokens if tile and config.layer_types[i] == LAYER_DSA else 0 for i in range(layers)]
-        working = [per_layer[i] + biggest[i] + 2 * stream_bytes + keys_grad[i] for i in range(layers)]
+        grad_in = streams_per_token * tokens
+        working = [per_layer[i] + grad_in + peak[i] + keys_grad[i] for i in range(layers)]
         # An offloaded tiled layer's input comes back tile by tile (its own and the next prefetched).
         upload = stored_input_bytes_per_token(config, a, opts.layer_inputs) * tile if tile else None
         if offload_layers is None:  # offload on, count from the budget
@@ -468,7 +509,7 @@ def estimate_memory(
         offload_layers = 0
         # Every layer's saved activations, and each layer keeps its own input streams.
         gpu["activations (no recompute)"] = sum(per_layer) + layers * stream_bytes
-        gpu["backward gradients"] = max(biggest) + 2 * stream_bytes
+        gpu["backward gradients"] = max(peak) + streams_per_token * tokens
     gpu.update(loss_items)
     gpu[f"largest transient ({transient_name})"] = transients[transient_name]
     gpu.update(kept_gpu)
@@ -648,10 +689,15 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
         per_query = max(v1, v2)
         gathered_keys = (t.whole - t.seq) // ix.kpool * ix.head_dim * a
         out["indexer query chunk"] = min(t.seq * per_query, INDEXER_BUDGET) + gathered_keys
-        # The padded 576-wide q / out / dq copies of one query chunk (this rank's heads), plus the
-        # fp32 dkv accumulator over every kv row it reads (the gathered latent under cp).
-        heads = config.dsa.num_heads // lay.tp
-        out["dsa attention workspace"] = min(t.shard * heads * 576 * 2 * 5, DSA_ATTENTION_BUDGET) + FP32 * config.dsa.kv_lora_rank * t.whole
+        # The sparse attention's backward (genolong.kernels.sparse_mla.op._backward) on this rank's
+        # heads: dq and the fp32 row statistic for every query, the fp32 dkv over every kv row it
+        # reads (the gathered latent under cp), and, when the keys span several key chunks, one
+        # query chunk's sort, slot ranges and fp32 dq, sized to the kernel's budget.
+        heads, dim = config.dsa.num_heads // lay.tp, config.dsa.kv_lora_rank
+        n_chunks = math.ceil(t.whole / DSA_KEY_CHUNK)
+        row_bytes = ix.width * 20 + (n_chunks + 1) * 12 + heads * dim * FP32
+        query_chunk = min(t.shard * row_bytes, DSA_ATTENTION_BUDGET) if n_chunks > 1 else 0
+        out["dsa attention workspace"] = t.shard * heads * (a * dim + FP32) + FP32 * dim * t.whole + query_chunk
     if LAYER_KDA in config.layer_types:
         k = config.kda
         # fla's per-chunk states h [T/64, H, Dk, Dv] fp32, and their gradient in backward: the cp
@@ -676,6 +722,10 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
         elif lay.ep == 1:
             # The op's own chunk: the fp32 weighted copy of its outputs before the combine.
             out["moe op chunk"] = min(t.seq * m.top_k * FP32 * h, MOE_OP_BUDGET)
+        # The gate/up grouped GEMM's weight gradient for this rank's experts, in fp32 before its cast:
+        # inferred from the 36-expert cell's working set, 2.3 GiB above its per-token part at both
+        # 64k and 128k (docs/parallel.md, "The per-layer figures against one GPU").
+        out["moe expert weight gradient (fp32)"] = FP32 * (m.num_experts // lay.ep) * 2 * m.expert_dim * h
     if lay.cp > 1 and setup.kda_mode == "ulysses" and LAYER_KDA in config.layer_types:
         out["kda partial output (cp, ulysses)"] = t.whole * h * a  # [T, hidden] before its reduce-scatter
     return out
