@@ -297,6 +297,15 @@ def _dense_mlp(config: ModelConfig, a: int) -> dict[str, int]:
 STREAMS_TWO_PATHS = "mhc streams' gradient, two paths"
 
 
+def moe_op_chunk_tokens(config: ModelConfig, a: int = 2) -> int:
+    """Tokens per chunk of the grouped MoE op (genolong.kernels.moe.grouped.chunk_tokens_for, its 1 GiB
+    budget; tests/train/test_plan.py keeps the two equal): gathered rows, gate/up, activation, down
+    output in the run's dtype and the fp32 weighted copy, per routed copy."""
+    m, h = config.moe, config.hidden
+    per_token = m.top_k * (a * (h + 3 * m.expert_dim + h) + FP32 * h)
+    return max(1, MOE_OP_BUDGET // per_token)
+
+
 def backward_peaks(config: ModelConfig, layer_idx: int, dtype_bytes: int = 2, moe_chunked: bool = False) -> dict[str, int]:
     """Bytes per token of the largest set of gradients one backward node of each part of layer
     `layer_idx` makes while the layer's saved items are still held (the working set's peak above
@@ -722,10 +731,14 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
         elif lay.ep == 1:
             # The op's own chunk: the fp32 weighted copy of its outputs before the combine.
             out["moe op chunk"] = min(t.seq * m.top_k * FP32 * h, MOE_OP_BUDGET)
-        # The gate/up grouped GEMM's weight gradient for this rank's experts, in fp32 before its cast:
-        # inferred from the 36-expert cell's working set, 2.3 GiB above its per-token part at both
-        # 64k and 128k (docs/parallel.md, "The per-layer figures against one GPU").
-        out["moe expert weight gradient (fp32)"] = FP32 * (m.num_experts // lay.ep) * 2 * m.expert_dim * h
+        # When the op runs its tokens in more than one chunk (moe_op_chunk_tokens), autograd adds each
+        # chunk's gate/up weight gradient for this rank's experts to a running sum that becomes the
+        # parameter's gradient only after the last chunk: the sum so far, the newest chunk's and their
+        # sum are held at once, two beyond the gradient itself (tests/train/test_backward_peak.py; the
+        # 36-expert cells: 2.3 GiB above their per-token part at 64k and 128k).
+        # (A tiled layer runs its MoE once per tile: the same sum.)
+        if t.seq > moe_op_chunk_tokens(config, a) or opts.tiles_at(t.whole) is not None:
+            out["moe expert weight gradients (chunk sum)"] = 2 * a * (m.num_experts // lay.ep) * 2 * m.expert_dim * h
     if lay.cp > 1 and setup.kda_mode == "ulysses" and LAYER_KDA in config.layer_types:
         out["kda partial output (cp, ulysses)"] = t.whole * h * a  # [T, hidden] before its reduce-scatter
     return out
