@@ -2,7 +2,8 @@
 
 `run_ranks(fn, world_size, *args)` starts world_size processes, sets torchrun's variables (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_*), calls `fn(rank, world_size, *args)` in each and returns the
-results in rank order. A rank that raises fails the test with that rank's traceback; a rank that
+results in rank order. A rank that raises fails the test with its traceback and those of the ranks that
+failed with it (reported within 10 s); a rank that
 hangs is killed after `timeout`. `fn` must be importable (a module-level function).
 
 The processes come from a fork server (one per test process, started at the first call), not from
@@ -87,6 +88,18 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
+        if errors:
+            # The first report may be a peer's symptom (a closed connection, "Broken pipe"): give the
+            # other ranks a few seconds to report theirs, so that the failure shows its cause.
+            try:
+                while len(results) + len(errors) < world_size:
+                    rank, status, value = queue.get(timeout=10)
+                    if status == "ok":
+                        results[rank] = value
+                    else:
+                        errors.append(f"rank {rank} failed:\n{value}")
+            except queue_module.Empty:
+                pass
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

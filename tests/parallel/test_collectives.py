@@ -78,3 +78,20 @@ def test_collectives_and_their_gradients_on_two_ranks():
 def test_collectives_and_their_gradients_on_three_ranks():
     for got in run_ranks(_check, 3):
         assert all(got.values()), got
+
+
+def _fails_on_every_rank(rank, world_size):
+    import time
+
+    if rank == 1:
+        time.sleep(1)  # the cause arrives after its symptom
+        raise ValueError("the cause, on rank 1")
+    raise RuntimeError("a symptom, on rank 0")
+
+
+def test_the_harness_reports_every_failed_rank_not_only_the_first():
+    import pytest
+
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_fails_on_every_rank, 2)
+    assert "the cause, on rank 1" in str(failed.value) and "a symptom, on rank 0" in str(failed.value)
