@@ -120,7 +120,7 @@ PART_TRANSIENTS: dict[str, tuple[str, ...]] = {
     "kda": ("kda chunk states",),
     "dsa": ("dsa attention workspace",),
     "dense": (),
-    "moe": ("moe chunk", "moe op chunk", "moe expert weight gradients (chunk sum)"),
+    "moe": ("moe chunk", "moe op chunk", "moe expert weight gradients (chunk sums)"),
     "mhc": (),
 }
 

@@ -732,13 +732,14 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
             # The op's own chunk: the fp32 weighted copy of its outputs before the combine.
             out["moe op chunk"] = min(t.seq * m.top_k * FP32 * h, MOE_OP_BUDGET)
         # When the op runs its tokens in more than one chunk (moe_op_chunk_tokens), autograd adds each
-        # chunk's gate/up weight gradient for this rank's experts to a running sum that becomes the
-        # parameter's gradient only after the last chunk: the sum so far, the newest chunk's and their
-        # sum are held at once, two beyond the gradient itself (tests/train/test_backward_peak.py; the
-        # 36-expert cells: 2.3 GiB above their per-token part at 64k and 128k).
-        # (A tiled layer runs its MoE once per tile: the same sum.)
+        # chunk's weight gradients for this rank's experts to running sums that become the parameters'
+        # gradients only after the last chunk (tests/train/test_backward_peak.py): both sums (gate/up
+        # and down) are held while the newest chunk's gate/up gradient is made. (The 36-expert cells:
+        # 2.3 GiB above their per-token part at 64k and 128k; the 288-expert cell: 26 GiB.)
+        # (A tiled layer runs its MoE once per tile: the same sums.)
         if t.seq > moe_op_chunk_tokens(config, a) or opts.tiles_at(t.whole) is not None:
-            out["moe expert weight gradients (chunk sum)"] = 2 * a * (m.num_experts // lay.ep) * 2 * m.expert_dim * h
+            gate_up, down = 2 * m.expert_dim * h, m.expert_dim * h
+            out["moe expert weight gradients (chunk sums)"] = a * (m.num_experts // lay.ep) * (2 * gate_up + down)
     if lay.cp > 1 and setup.kda_mode == "ulysses" and LAYER_KDA in config.layer_types:
         out["kda partial output (cp, ulysses)"] = t.whole * h * a  # [T, hidden] before its reduce-scatter
     return out

@@ -91,11 +91,11 @@ def test_moe36_is_one_ep8_rank_at_an_eighth_of_the_tokens_without_the_dispatch()
     assert plan["items"] == items
     assert plan["excluded"][DISPATCH] == 2 * 8 * A * H * ts
     # 16k tokens are 6 of the op's chunks (2,978 tokens: 1 GiB / 8 x (2 x (4096 + 3 x 2048 + 4096) + 4 x 4096)):
-    # the running sum of the 36 experts' gate/up weight gradient and the newest chunk's (2 x 1.125 GiB)
-    # outweigh gate/up's gradient (1 GiB).
-    weight_grad = 2 * A * 36 * 2 * 2048 * H
+    # the running sums of the 36 experts' gate/up and down weight gradients and the newest chunk's
+    # gate/up (1.125 + 0.5625 + 1.125 GiB) outweigh gate/up's gradient (1 GiB).
+    weight_grad = A * 36 * (2 * (2 * 2048 * H) + 2048 * H)
     assert weight_grad > 8 * A * 2 * 2048 * ts
-    assert plan["peak"] == "moe expert weight gradients (chunk sum)"
+    assert plan["peak"] == "moe expert weight gradients (chunk sums)"
     assert plan["bytes"] == sum(items.values()) + A * H * ts + weight_grad
 
 
