@@ -699,14 +699,18 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
         gathered_keys = (t.whole - t.seq) // ix.kpool * ix.head_dim * a
         out["indexer query chunk"] = min(t.seq * per_query, INDEXER_BUDGET) + gathered_keys
         # The sparse attention's backward (genolong.kernels.sparse_mla.op._backward) on this rank's
-        # heads: dq and the fp32 row statistic for every query, the fp32 dkv over every kv row it
-        # reads (the gathered latent under cp), and, when the keys span several key chunks, one
-        # query chunk's sort, slot ranges and fp32 dq, sized to the kernel's budget.
-        heads, dim = config.dsa.num_heads // lay.tp, config.dsa.kv_lora_rank
+        # heads: the gradient of its output coming in, dq and the fp32 row statistic for every query,
+        # the fp32 dkv over every kv row it reads (the gathered latent under cp), and, when the keys
+        # span several key chunks, one query chunk's sort, slot ranges and fp32 dq, sized to the
+        # kernel's budget; less the output projection's input, which that projection's backward,
+        # run before, has freed (one of the layer's items).
+        d = config.dsa
+        heads, dim = d.num_heads // lay.tp, d.kv_lora_rank
         n_chunks = math.ceil(t.whole / DSA_KEY_CHUNK)
         row_bytes = ix.width * 20 + (n_chunks + 1) * 12 + heads * dim * FP32
         query_chunk = min(t.shard * row_bytes, DSA_ATTENTION_BUDGET) if n_chunks > 1 else 0
-        out["dsa attention workspace"] = t.shard * heads * (a * dim + FP32) + FP32 * dim * t.whole + query_chunk
+        per_query = heads * (2 * a * dim + FP32) - heads * a * d.v_head_dim
+        out["dsa attention workspace"] = t.shard * per_query + FP32 * dim * t.whole + query_chunk
     if LAYER_KDA in config.layer_types:
         k = config.kda
         # fla's per-chunk states h [T/64, H, Dk, Dv] fp32, and their gradient in backward: the cp

@@ -70,10 +70,11 @@ def test_dsa8_at_64k_by_hand():
     }
     plan = plan_cell("dsa8", K64)
     assert plan["items"] == items
-    # The sparse attention's backward on 8 heads: dq (bf16) and the fp32 row statistic per query,
-    # the fp32 dkv over the 64k latent rows (4 key chunks of 16k), and one query chunk of 1 GiB
-    # (row bytes 2051 x 20 + 5 x 12 + 8 x 512 x 4 = 57,464; 64k rows of them are 3.5 GiB).
-    workspace = tc * 8 * (A * 512 + 4) + 4 * 512 * tc + (1 << 30)
+    # The sparse attention's backward on 8 heads: the incoming gradient of its output and dq (bf16)
+    # and the fp32 row statistic per query, less the output projection's input (8 x 256, freed by
+    # its backward before), the fp32 dkv over the 64k latent rows (4 key chunks of 16k), and one
+    # query chunk of 1 GiB (row bytes 2051 x 20 + 5 x 12 + 8 x 512 x 4 = 57,464; 64k rows are 3.5 GiB).
+    workspace = tc * 8 * (2 * A * 512 + 4 - A * 256) + 4 * 512 * tc + (1 << 30)
     assert plan["peak"] == "dsa attention workspace"
     assert plan["bytes"] == sum(items.values()) + A * H * tc + workspace
 

@@ -335,10 +335,10 @@ def test_host_only_shortfall_names_host_memory_and_asks_for_host_ram_first():
     est = estimate_memory(config, 524288, opts, 1, H200)
     assert est.fits_gpu and not est.fits_host and est.short == ["pinned host memory"]
     fixes = shortfall(config, 524288, opts, 1, H200)
-    assert fixes[0].startswith("more host RAM: --host-budget-gib 22 per GPU")
+    assert fixes[0].startswith("more host RAM: --host-budget-gib 24 per GPU")
     # A fixed --offload-layers above what the GPU needs: fewer offloaded layers is the fix.
     fixed = MemoryOptions(offload_layers=40, host_budget_gib=30, keep_sparse="off")
-    assert any(f.startswith("fewer offloaded layers: --offload-layers 11") for f in shortfall(config, 524288, fixed, 1, H200))
+    assert any(f.startswith("fewer offloaded layers: --offload-layers 12") for f in shortfall(config, 524288, fixed, 1, H200))
 
 
 def test_plan_exits_3_when_it_does_not_fit_and_names_the_short_resource():
