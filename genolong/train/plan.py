@@ -42,6 +42,8 @@ import os
 from dataclasses import dataclass, field
 
 from genolong.errors import GenolongError
+from genolong.kernels.moe import grouped as moe_grouped
+from genolong.kernels.sparse_mla import op as sparse_mla
 from genolong.model.config import LAYER_DSA, LAYER_KDA, MLP_DENSE, MLP_MOE, ModelConfig
 from genolong.model.param_count import param_count
 from genolong.train.loss import auto_chunk_tokens
@@ -61,13 +63,11 @@ GIB = 1024**3
 H200_BYTES = int(139.8 * GIB)  # what torch.cuda reports for an H200 (143,771,877,376 bytes)
 FP32 = 4
 FP8_SCALE_BYTES = 4  # a float32 scale per row of an fp8-stored layer input
-# Kernel budgets (genolong/kernels): the indexer's and the DSA kernel's query chunks are sized
-# to these; fla's KDA chunk is 64 tokens.
+# Kernel budgets (genolong/kernels): the indexer's query chunks are sized to these (the sparse
+# attention's and the grouped MoE's chunks are read from their kernels); fla's KDA chunk is 64 tokens.
 INDEXER_BUDGET = 2 << 30
 INDEXER_GROUP = 8  # pools per group in the fused indexer's first pass (v1)
 INDEXER_V2_GROUP = 4  # and in v2's
-DSA_ATTENTION_BUDGET = 1 << 30  # sparse_mla.op.QUERY_BUDGET_BYTES
-DSA_KEY_CHUNK = 16384  # sparse_mla.op.KEY_CHUNK
 MOE_OP_BUDGET = 1 << 30
 KDA_CHUNK = 64
 # preflight: usable fraction of the GPU (allocator fragmentation, CUDA context, NCCL buffers)
@@ -295,15 +295,6 @@ def _dense_mlp(config: ModelConfig, a: int) -> dict[str, int]:
 
 
 STREAMS_TWO_PATHS = "mhc streams' gradient, two paths"
-
-
-def moe_op_chunk_tokens(config: ModelConfig, a: int = 2) -> int:
-    """Tokens per chunk of the grouped MoE op (genolong.kernels.moe.grouped.chunk_tokens_for, its 1 GiB
-    budget; tests/train/test_plan.py keeps the two equal): gathered rows, gate/up, activation, down
-    output in the run's dtype and the fp32 weighted copy, per routed copy."""
-    m, h = config.moe, config.hidden
-    per_token = m.top_k * (a * (h + 3 * m.expert_dim + h) + FP32 * h)
-    return max(1, MOE_OP_BUDGET // per_token)
 
 
 def backward_peaks(config: ModelConfig, layer_idx: int, dtype_bytes: int = 2, moe_chunked: bool = False) -> dict[str, int]:
@@ -706,9 +697,9 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
         # run before, has freed (one of the layer's items).
         d = config.dsa
         heads, dim = d.num_heads // lay.tp, d.kv_lora_rank
-        n_chunks = math.ceil(t.whole / DSA_KEY_CHUNK)
-        row_bytes = ix.width * 20 + (n_chunks + 1) * 12 + heads * dim * FP32
-        query_chunk = min(t.shard * row_bytes, DSA_ATTENTION_BUDGET) if n_chunks > 1 else 0
+        n_chunks = math.ceil(t.whole / sparse_mla.KEY_CHUNK)
+        row_bytes = sparse_mla.backward_row_bytes(ix.width, heads, dim, n_chunks)
+        query_chunk = min(t.shard * row_bytes, sparse_mla.QUERY_BUDGET_BYTES) if n_chunks > 1 else 0
         per_query = heads * (2 * a * dim + FP32) - heads * a * d.v_head_dim
         out["dsa attention workspace"] = t.shard * per_query + FP32 * dim * t.whole + query_chunk
     if LAYER_KDA in config.layer_types:
@@ -735,13 +726,13 @@ def _transients(config: ModelConfig, t: Tokens, opts: MemoryOptions, a: int, set
         elif lay.ep == 1:
             # The op's own chunk: the fp32 weighted copy of its outputs before the combine.
             out["moe op chunk"] = min(t.seq * m.top_k * FP32 * h, MOE_OP_BUDGET)
-        # When the op runs its tokens in more than one chunk (moe_op_chunk_tokens), autograd adds each
+        # When the op runs its tokens in more than one chunk (grouped.chunk_tokens_for), autograd adds each
         # chunk's weight gradients for this rank's experts to running sums that become the parameters'
         # gradients only after the last chunk (tests/train/test_backward_peak.py): both sums (gate/up
         # and down) are held while the newest chunk's gate/up gradient is made. (The 36-expert cells:
         # 2.3 GiB above their per-token part at 64k and 128k; the 288-expert cell: 26 GiB.)
         # (A tiled layer runs its MoE once per tile: the same sums.)
-        if t.seq > moe_op_chunk_tokens(config, a) or opts.tiles_at(t.whole) is not None:
+        if t.seq > moe_grouped.chunk_tokens_for(m.top_k, h, m.expert_dim, a) or opts.tiles_at(t.whole) is not None:
             gate_up, down = 2 * m.expert_dim * h, m.expert_dim * h
             out["moe expert weight gradients (chunk sums)"] = a * (m.num_experts // lay.ep) * (2 * gate_up + down)
     if lay.cp > 1 and setup.kda_mode == "ulysses" and LAYER_KDA in config.layer_types:

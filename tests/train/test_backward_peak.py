@@ -49,13 +49,3 @@ def test_the_grouped_moe_holds_the_experts_gate_up_gradient_twice_across_its_chu
 
     gate_up_grad = e * 2 * inter * h * A
     assert run(tokens // 4) - run(tokens) == pytest.approx(2 * gate_up_grad, rel=0.1)
-
-
-def test_the_plan_and_the_grouped_op_agree_on_its_chunk():
-    from genolong.kernels.moe.grouped import chunk_tokens_for
-    from genolong.model import get_preset
-    from genolong.train.plan import moe_op_chunk_tokens
-
-    for name in ("tiny", "glm53-mini", "glm-5.3-flash"):
-        m, h = get_preset(name).moe, get_preset(name).hidden
-        assert moe_op_chunk_tokens(get_preset(name), 2) == chunk_tokens_for(m.top_k, h, m.expert_dim, 2)
