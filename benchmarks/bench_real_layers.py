@@ -238,8 +238,9 @@ def plan_row(name: str, seq: int, got: dict) -> dict:
 
 
 class Run:
-    def __init__(self, out: Path, budget_s: float, plan: bool = True):
+    def __init__(self, out: Path, budget_s: float, plan: bool = True, cells: set[str] | None = None):
         self.rows: list[dict] = []
+        self.cells = cells  # --cells: only these run (None: every cell of the chosen groups)
         self.log = (out / "real_layers.jsonl").open("a")
         self.start = time.monotonic()
         self.budget_s = budget_s
@@ -252,6 +253,8 @@ class Run:
         """make() -> (fwd, fwd_bwd, flops or None[, Probe]); records one row (or why it did not run).
         With a Probe, a cell the plan has a figure for (real_layers_plan.CELLS) also gets its
         recompute working set beside the plan's figure."""
+        if self.cells is not None and name not in self.cells:
+            return None
         row = {"cell": name, "size": size}
         if self.left() < 10:
             row["not_run"] = "time budget"
@@ -497,7 +500,7 @@ def mhc_group(run: Run, size: str, reps: int, compiled: bool) -> None:
         mhc_cells(run, size, reps, compiled=True)
 
 
-def dry_run(groups: set[str], sizes: list[str]) -> None:
+def dry_run(groups: set[str], sizes: list[str], cells: set[str] | None = None) -> None:
     """No GPU: the plan's figure for every cell the arguments would compare (real_layers_plan)."""
     print("dry run: the plan's figures only, nothing measured")
     for size in sizes:
@@ -505,6 +508,8 @@ def dry_run(groups: set[str], sizes: list[str]) -> None:
             if group not in groups:
                 continue
             for name in GROUP_PLAN_CELLS[group]:
+                if cells is not None and name not in cells:
+                    continue
                 plan = plan_cell(name, SIZES[size])
                 terms = ", ".join(f"{k} {v / GIB:.2f}" for k, v in plan["terms"].items())
                 print(f"{name:<8} {size:>5} plan {plan['gib']:7.2f} GiB ({terms}; {plan['layout']}, peak {plan['peak']})")
@@ -520,6 +525,9 @@ def main() -> None:
                     help="which cell groups run, in this order's subset: tp8 (kda8, dsa8, SDPA, indexers), moe36, mlp, mhc, "
                          "tp1 (kda64, dsa64 and their SDPA), moe288, indexers (v2 and v1 selections at 32 and 4 heads); "
                          f"default {DEFAULT_GROUPS}, with --plan-check {PLAN_CHECK_GROUPS}")
+    ap.add_argument("--cells", default=None,
+                    help="only these of the chosen groups' cells that the plan has a figure for (e.g. dsa64,moe288: "
+                         "tp1 without kda64, whose 128k does not fit an H100); no SDPA or indexer cells")
     ap.add_argument("--plan-check", action="store_true",
                     help="only the cells `genolong plan` has a figure for (no SDPA, indexer or compiled mHC cells), each with "
                          "its recompute working set beside the plan's")
@@ -535,16 +543,23 @@ def main() -> None:
     bad = [s for s in sizes if s not in SIZES]
     if bad:
         ap.error(f"unknown --sizes {', '.join(bad)}: use {', '.join(SIZES)}")
+    cells = None
+    if args.cells is not None:
+        cells = {c.strip() for c in args.cells.split(",") if c.strip()}
+        known = {name for g in groups for name in GROUP_PLAN_CELLS[g]}
+        if not cells or cells - known:
+            ap.error(f"unknown --cells {', '.join(sorted(cells - known)) or '(none)'} for --groups {chosen}: "
+                     f"use {', '.join(sorted(known))}")
     if args.plan_check and args.no_plan:
         ap.error("--plan-check measures against the plan: drop --no-plan")
     if args.dry_run:
-        dry_run(groups, sizes)
+        dry_run(groups, sizes, cells)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     kernels.load()
     ops.use("fused")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {kernels.available()}", flush=True)
-    run = Run(args.out, args.budget_s, plan=not args.no_plan)
+    run = Run(args.out, args.budget_s, plan=not args.no_plan, cells=cells)
     if run.plan:
         run.calibrate(sizes[0])
     run_group = {

@@ -139,6 +139,16 @@ def test_dry_run_prints_the_plan_for_the_check_cells_on_the_cpu():
     assert bad.returncode == 2 and "unknown --sizes 96k" in bad.stderr
 
 
+def test_cells_narrow_the_groups_and_a_cell_outside_them_is_refused():
+    script = [sys.executable, str(ROOT / "benchmarks" / "bench_real_layers.py"), "--dry-run", "--plan-check", "--sizes", "128k"]
+    done = subprocess.run(script + ["--groups", "tp1,moe288", "--cells", "moe288,dsa64"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [line.split()[0] for line in done.stdout.splitlines() if " plan " in line] == ["dsa64", "moe288"]
+    bad = subprocess.run(script + ["--groups", "tp1", "--cells", "moe288"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown --cells moe288 for --groups tp1: use dsa64, kda64" in bad.stderr
+
+
 def test_the_table_says_which_cells_are_off_by_more_than_ten_percent():
     from bench_real_layers import plan_table
 
