@@ -463,14 +463,14 @@ def estimate(run: Run) -> list[str]:
     return lines
 
 
-GROUPS = ("tp8", "moe36", "mlp", "mhc", "tp1", "moe288", "indexers")
+GROUPS = ("tp8", "moe36", "mlp", "mhc", "tp1", "moe144", "moe288", "indexers")
 DEFAULT_GROUPS = "tp8,moe36,mlp,mhc,tp1,moe288"
 # The plan check's default: the slices one GPU of a 64-GPU run holds (moe288 at 128k does not fit an H100).
 PLAN_CHECK_GROUPS = "tp8,moe36,mlp,mhc"
-PLAN_CHECK_ORDER = ("moe36", "mlp", "mhc", "tp8", "tp1", "moe288", "indexers")
+PLAN_CHECK_ORDER = ("moe36", "mlp", "mhc", "tp8", "tp1", "moe144", "moe288", "indexers")
 # The cells of each group that `genolong plan` has a figure for (real_layers_plan.CELLS), in run order.
 GROUP_PLAN_CELLS = {"tp8": ("dsa8", "kda8"), "moe36": ("moe36",), "mlp": ("mlp",), "mhc": ("mhc",),
-                    "tp1": ("dsa64", "kda64"), "moe288": ("moe288",), "indexers": ()}
+                    "tp1": ("dsa64", "kda64"), "moe144": ("moe144",), "moe288": ("moe288",), "indexers": ()}
 
 
 def plan_table(rows: list[dict]) -> list[str]:
@@ -523,7 +523,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled mHC cell")
     ap.add_argument("--groups", default=None,
                     help="which cell groups run, in this order's subset: tp8 (kda8, dsa8, SDPA, indexers), moe36, mlp, mhc, "
-                         "tp1 (kda64, dsa64 and their SDPA), moe288, indexers (v2 and v1 selections at 32 and 4 heads); "
+                         "tp1 (kda64, dsa64 and their SDPA), moe144 (ep=2's slice), moe288, indexers (v2 and v1 selections at 32 and 4 heads); "
                          f"default {DEFAULT_GROUPS}, with --plan-check {PLAN_CHECK_GROUPS}")
     ap.add_argument("--cells", default=None,
                     help="only these of the chosen groups' cells that the plan has a figure for (e.g. dsa64,moe288: "
@@ -568,6 +568,7 @@ def main() -> None:
         "mlp": lambda size, reps: mlp_cell(run, size, reps),
         "mhc": lambda size, reps: mhc_group(run, size, reps, compiled=not args.no_compile and not args.plan_check),
         "tp1": lambda size, reps: layer_cells(run, size, reps, tp=1, plan_only=args.plan_check),
+        "moe144": lambda size, reps: moe_cell(run, size, reps, local_experts=144),
         "moe288": lambda size, reps: moe_cell(run, size, reps, local_experts=288),
         "indexers": lambda size, reps: None if args.plan_check else indexer_versions(run, size, reps),
     }

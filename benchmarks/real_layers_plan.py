@@ -20,13 +20,13 @@ sliced copy) under the cell's layout:
 | kda8 / kda64 | 0 (KDA) | tp=8 / 1 process, S | the `kda *` items; of the tp-held item, f_a / g_a's outputs |
 | dsa8 / dsa64 | 3 (DSA) | tp=8 / 1 process, S | the `dsa *` items; of the tp-held item, the latent norms and gathered selections |
 | mlp | 0 (dense) | tp=8, S | `dense mlp` |
-| moe36 / moe288 | 3 (MoE) | ep=8 at S/8 tokens, skew 1 / 1 process, S | the `moe *` items (+ busiest-rank rows, 0 at skew 1) |
+| moe36 / moe144 / moe288 | 3 (MoE) | ep=8 at S/8 tokens / ep=2 at S/2, skew 1 / 1 process, S | the `moe *` items (+ busiest-rank rows, 0 at skew 1) |
 | mhc | 0 | 1 process, S | `mhc *`, `mixer out + streams`, `mlp out` |
 
 What the cells do not run is left out of their figure, by name in `excluded`: the sublayer's own
 input (the cell's input tensor, allocated before the measurement; the tp-held item's gathered
 sublayer inputs are such inputs), the RMSNorms (no cell runs them), and at ep=8 the dispatch
-buffers (the cell computes its 36 experts with no all-to-all). The MoE runs unchunked in every
+buffers (the cell computes its 36 experts with no all-to-all; at ep=2 its 144). The MoE runs unchunked in every
 cell, so the plan is asked for a run without MoE chunking. Under tp the cell runs the rank's heads
 over the whole shard (S tokens), as the plan's tokens per GPU say: Ts = S / tp tokens with every
 head, Tc = S for what every tp rank holds.
@@ -78,6 +78,7 @@ CELLS: dict[str, CellPlan] = {
     "dsa64": CellPlan(3, "dsa", ""),
     "mlp": CellPlan(0, "dense", "tp=8"),
     "moe36": CellPlan(3, "moe", "ep=8", tokens_over=8),
+    "moe144": CellPlan(3, "moe", "ep=2", tokens_over=2),
     "moe288": CellPlan(3, "moe", ""),
     "mhc": CellPlan(0, "mhc", ""),
 }

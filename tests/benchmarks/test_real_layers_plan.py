@@ -100,6 +100,21 @@ def test_moe36_is_one_ep8_rank_at_an_eighth_of_the_tokens_without_the_dispatch()
     assert plan["bytes"] == sum(items.values()) + A * H * ts + weight_grad
 
 
+def test_moe144_is_ep2s_rank_at_half_the_tokens_holding_half_the_weight_gradient_sums():
+    th = K128 // 2
+    plan = plan_cell("moe144", K128)
+    assert plan["layout"] == "ep=2" and plan["tokens"]["seq"] == th
+    assert plan["peak"] == "moe expert weight gradients (chunk sums)"
+    # 64k tokens routed over 144 of 288 experts: the same per-token items and incoming gradient as one
+    # process at 64k; only the running weight-gradient sums are the rank's 144 experts'.
+    weight_grad = A * 144 * (2 * (2 * 2048 * H) + 2048 * H)
+    assert plan["terms"]["backward peak"] == weight_grad
+    assert plan["terms"]["gradient in"] == A * H * th
+    whole = plan_cell("moe288", th)
+    assert plan["terms"]["saved items"] == whole["terms"]["saved items"]
+    assert whole["terms"]["backward peak"] == 2 * weight_grad
+
+
 def test_mlp_and_mhc_by_hand():
     ts, tc = K128 // 8, K128
     mlp = 6 * A * (12288) * ts  # = 6 a (12288 / 8) over the shard
