@@ -79,8 +79,10 @@ for stage in "$@"; do
   start=$(date +%s)
   # Ctrl-C at the limit, not a kill: pytest then prints its summary (the failures so far with their
   # tracebacks) and the benchmarks keep the rows they wrote; a stage that ignores it dies 20 s later.
-  timeout -s INT -k 20 "$limit" bash -c "$cmd" > "$OUT/$name.log" 2>&1
-  echo "rc=$? $(( $(date +%s) - start ))s"; tail -n 25 "$OUT/$name.log"
+  # A tagged finetune's log is named by its tag, so two invocations in one command keep both.
+  log="$OUT/$name.log"; [ "$name" = finetune ] && log="$OUT/finetune${FT_TAG:+-$FT_TAG}.log"
+  timeout -s INT -k 20 "$limit" bash -c "$cmd" > "$log" 2>&1
+  echo "rc=$? $(( $(date +%s) - start ))s"; tail -n 25 "$log"
 done
 # The device returns a limited number of files: each stage's output directory comes back as one archive.
 for d in "$OUT"/*/; do [ -d "$d" ] && tar -czf "${d%/}.tar.gz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
