@@ -50,6 +50,7 @@ import torch
 
 from genolong import checkpoint_dir
 from genolong.errors import GenolongError
+from genolong.kernels.kda import prebuild as kda_prebuild
 from genolong.model import ops
 from genolong.parallel import checkpoint as dist_ckpt
 from genolong.parallel.context import shard_batch, shard_sequence
@@ -163,6 +164,10 @@ def _train(spec: RunSpec, procs: distributed.Processes) -> list[dict]:
     if _on_meta(model):
         _materialise(model, options, device, resume_from, parallel)
     handle = parallel.memory
+    # fla's TileLang KDA backward builds while the first forward runs (genolong/kernels/kda/prebuild.py).
+    prebuild = None
+    if device.startswith("cuda") and parallel.policy.name != ops.REFERENCE:
+        prebuild = kda_prebuild.start(model.config, device=device, dtype=spec.dtype, tp=layout.tp, cp=layout.cp)
     balancer = ExpertBalancer(model, rate=options.balance_rate, aux_loss_coeff=options.aux_loss_coeff)
     indexer = IndexerTraining(
         model,
@@ -222,7 +227,7 @@ def _train(spec: RunSpec, procs: distributed.Processes) -> list[dict]:
     else:
         jsonl = tensorboard = progress = _Discard()
     ctx = _StepContext(model=model, optimizer=optimizer, options=options, device=device, parallel=parallel, indexer=indexer,
-                       procs=procs, balancer=balancer, loss_chunk=chunk, flops=flops, peak_flops=peak)
+                       procs=procs, balancer=balancer, loss_chunk=chunk, flops=flops, peak_flops=peak, prebuild=prebuild)
     records: list[dict] = []
     parallel.policy.reset_audit()
     model.train()
@@ -240,7 +245,7 @@ def _train(spec: RunSpec, procs: distributed.Processes) -> list[dict]:
             if step == start and procs.main:
                 _write_kernel_audit(run_dir, parallel.policy)
                 _write_memory_setup(run_dir, handle)
-                _write_compile_setup(run_dir, parallel.compiled)
+                _write_compile_setup(run_dir, parallel.compiled, prebuild)
             if nonfinite_run >= options.max_nonfinite:
                 raise TrainingStopped(
                     f"stopped at step {step + 1}: {nonfinite_run} consecutive steps had a non-finite loss or gradient "
@@ -308,6 +313,7 @@ class _StepContext:
     loss_chunk: int  # tokens per chunk of the chunked loss head
     flops: object  # genolong.train.flops.StepFlops of one optimizer step
     peak_flops: float | None  # the world's peak FLOP/s (None: unknown device, no MFU)
+    prebuild: kda_prebuild.KDABackwardPrebuild | None = None  # joined before the first backward
 
 
 def _train_step(ctx: _StepContext, batch_list: list[_Batch], step: int) -> StepRecord:
@@ -348,6 +354,8 @@ def _train_step(ctx: _StepContext, batch_list: list[_Batch], step: int) -> StepR
                     )
                 else:
                     loss = full_lm_loss(hidden, weight, micro.targets, micro.valid, global_valid_count=normaliser, target_weight=micro.weight)
+            if ctx.prebuild is not None:
+                ctx.prebuild.wait()
             if indexer.backward_lm_loss():
                 loss.backward()
         total += loss.detach()
@@ -601,10 +609,14 @@ def _restore(ckpt: Path, model, optimizer, procs) -> dict:
     return state
 
 
-def _write_compile_setup(run_dir: Path, compiled) -> None:
-    """What the compile pass replaced and what dynamo did during the first step (graphs, breaks)."""
-    if compiled is not None:
-        (run_dir / "compile.json").write_text(json.dumps(compiled.describe(), indent=1) + "\n", encoding="utf-8")
+def _write_compile_setup(run_dir: Path, compiled, prebuild=None) -> None:
+    """What the compile pass replaced and what dynamo did during the first step (graphs, breaks), and
+    how the KDA backward's ahead-of-time build went."""
+    if compiled is not None or prebuild is not None:
+        setup = compiled.describe() if compiled is not None else {}
+        if prebuild is not None:
+            setup["kda_backward_prebuild"] = prebuild.describe()
+        (run_dir / "compile.json").write_text(json.dumps(setup, indent=1) + "\n", encoding="utf-8")
 
 
 def _host_peak(handle) -> float | None:

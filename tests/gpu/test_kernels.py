@@ -168,6 +168,33 @@ def test_kda_fla_outputs_and_gradients():
 
 
 
+def test_kda_backward_built_ahead_is_the_build_the_backward_uses():
+    """genolong/kernels/kda/prebuild.py builds fla's TileLang KDA backward at one chunk of tokens; a
+    backward at another length must find it (TileLang's sequence length is dynamic): fla's builder
+    gains no entry. A key that differed would build again at the first backward, silently."""
+    from genolong.kernels.kda import prebuild
+
+    # 3 heads: a build no other test asks for, so the entry is this test's.
+    shape = prebuild.KDABackwardShape(heads=3, key_dim=128, value_dim=128, dtype=torch.bfloat16)
+    ahead = prebuild.KDABackwardPrebuild(shape, torch.device(DEV))
+    ahead.wait()
+    if ahead.outcome.startswith("skipped"):
+        pytest.skip(ahead.outcome)
+    assert ahead.outcome == "built", ahead.outcome
+    from fla.ops.kda.backends.tilelang import chunk_bwd_dqkg
+
+    cache = chunk_bwd_dqkg._build_kda_bwd_kernel._kernel_cache
+    built = len(cache)
+    b, t, h, d = 1, 3000, 3, 128
+    leaves = [torch.randn(b, t, h, d, device=DEV).bfloat16().requires_grad_() for _ in range(3)]
+    g = (-5 * torch.sigmoid(torch.randn(b, t, h, d, device=DEV))).float().requires_grad_()
+    beta = torch.rand(b, t, h, device=DEV).bfloat16().requires_grad_()
+    out = _impl("kda", "fla_chunk_kda")(*leaves, g, beta)
+    out.float().square().sum().backward()
+    assert torch.isfinite(leaves[0].grad.float()).all()
+    assert len(cache) == built, "the backward built its TileLang kernel again: the ahead-of-time key differs"
+
+
 @pytest.mark.parametrize("with_state", [False, True])
 def test_kda_fla_keeping_intermediates_under_a_checkpoint_matches_fla_default(with_state):
     """Inside a layer checkpoint fla keeps its intermediates (disable_recompute); the gradients must be
