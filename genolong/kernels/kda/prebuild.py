@@ -87,6 +87,8 @@ class KDABackwardPrebuild:
     """The background build; `wait()` (the first backward) joins it; `describe()` for compile.json."""
 
     def __init__(self, shape: KDABackwardShape | str, device: torch.device, builder=None):
+        if device.type == "cuda" and device.index is None:  # "cuda": the caller's current device, named for the thread
+            device = torch.device("cuda", torch.cuda.current_device())
         self.shape, self.device = shape, device
         self.outcome, self.build_s, self.waited_s = "not started", None, None
         self._thread = None
