@@ -2,11 +2,14 @@
 
 Why: fla 0.6.0 runs the KDA backward's fused dq/dk/dg pass as a TileLang kernel wherever tilelang
 and nvcc are usable (the device machine), and builds it at its first call, the first backward:
-23-30 s of a fresh machine's first 128k step, the largest single part of it (docs/performance.md).
+23-30 s on an H100, added to the first step of any run on a machine that has not built it yet
+(docs/performance.md).
 The kernel's sequence length is dynamic (`T.dynamic` in fla's builder), so one build at one chunk
 of tokens serves every length, and everything else that keys the build (heads, head dims, chunk,
 dtype) is known before the first step. The build is TVM passes (tvm_ffi releases the GIL while a
-pass runs) and nvcc (a subprocess), so it overlaps the forward's Inductor compilation and kernels.
+pass runs) and nvcc (a subprocess), so it overlaps the forward's compilation and kernels: all of
+it where the forward compiles for longer than the build (a fresh machine), ~7 s of 29 where the
+forward's kernels are cached (H100, docs/kernels.md).
 
 `start` runs fla's own entry (`chunk_kda_bwd_wy_dqkg_fused_tilelang`) once on zeros of the run's
 shapes, so the build's key is the one the real backward computes; the first backward calls `wait`
