@@ -7,9 +7,9 @@ and nvcc are usable (the device machine), and builds it at its first call, the f
 The kernel's sequence length is dynamic (`T.dynamic` in fla's builder), so one build at one chunk
 of tokens serves every length, and everything else that keys the build (heads, head dims, chunk,
 dtype) is known before the first step. The build is TVM passes (tvm_ffi releases the GIL while a
-pass runs) and nvcc (a subprocess), so it overlaps the forward's compilation and kernels: all of
-it where the forward compiles for longer than the build (a fresh machine), ~7 s of 29 where the
-forward's kernels are cached (H100, docs/kernels.md).
+pass runs) and nvcc (a subprocess), so it overlaps the forward's compilation and kernels: ~7 s of
+29 measured where the forward's kernels were cached (H100, docs/kernels.md); all of it expected,
+not yet measured, on a fresh machine, whose first forward compiles for longer than the build.
 
 `start` runs fla's own entry (`chunk_kda_bwd_wy_dqkg_fused_tilelang`) once on zeros of the run's
 shapes, so the build's key is the one the real backward computes; the first backward calls `wait`
